@@ -1,0 +1,32 @@
+"""engine: an LLM inference engine built chapter by chapter.
+
+The public contract (see README): ensure_default_model, load_tokenizer, load_model, LLM,
+SamplingParams, SafetensorsError and the `engine.safetensors` module. Imports are lazy so that
+`import engine` stays instant and never touches CuPy.
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ensure_default_model": ("engine.default_model", "ensure_default_model"),
+    "load_tokenizer": ("engine.tokenizer", "load_tokenizer"),
+    "load_model": ("engine.model", "load_model"),
+    "LLM": ("engine.llm", "LLM"),
+    "SamplingParams": ("engine.sampling", "SamplingParams"),
+    "SafetensorsError": ("engine.safetensors", "SafetensorsError"),
+    "ConfigError": ("engine.config", "ConfigError"),
+}
+
+__all__ = sorted(_LAZY) + ["safetensors"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(import_module(module), attr)
+        globals()[name] = value
+        return value
+    if name == "safetensors":
+        return import_module("engine.safetensors")
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
