@@ -1,0 +1,269 @@
+"""The one place that knows about CuPy (chapter 00).
+
+Everything else asks this module:
+  * which backend runs (`resolve_backend("auto" | "numpy" | "cupy")`) and, in one sentence, why
+    CuPy is not used when it isn't;
+  * for a compiled kernel (`load_kernel(stage, name)`), compiled once per stage from
+    `kernels_cu/<stage>.cu` with NVRTC, compile errors reported with file and line;
+  * for bf16 conversions on the host (`f32_to_bf16`, `bf16_to_f32`), bit-exact with PyTorch;
+  * for matrix products on the GPU (`matmul`), cuBLAS `gemmEx` with bf16 operands and fp32 compute.
+
+Device bf16 tensors are CuPy `uint16` arrays holding the raw bits: every CuPy version can hold
+them, cuBLAS and the kernels see `__nv_bfloat16`, and the bits are the same as on disk.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+KERNELS_DIR = Path(os.environ.get("ENGINE_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels_cu"))
+BACKENDS = ("auto", "numpy", "cupy")
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here; the message says why in one sentence."""
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message points at kernels_cu/<stage>.cu(line)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Backend choice
+# ----------------------------------------------------------------------------------------------
+
+_PROBE_SOURCE = r"""
+#include <cuda_bf16.h>
+extern "C" __global__ void probe(float* out) { out[0] = __bfloat162float(__float2bfloat16(1.5f)); }
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_unavailable_reason() -> str | None:
+    """None when CuPy can run kernels here, else one sentence saying why not."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install -e '.[cuda12]' or '.[cuda13]' on a GPU machine)."
+    except Exception as exc:  # a broken install raises all sorts of things at import time
+        return f"CuPy is installed but fails to import ({type(exc).__name__}: {exc})."
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        text = str(exc)
+        if "NoDevice" in text:
+            return f"CuPy is installed but no CUDA GPU is visible ({text})."
+        return f"CuPy is installed but no usable NVIDIA driver was found ({text})."
+    if count == 0:
+        return "CuPy is installed but no CUDA GPU is visible."
+    try:
+        kernel = cupy.RawKernel(_PROBE_SOURCE, "probe", options=("-std=c++17",))
+        out = cupy.zeros(1, dtype=cupy.float32)
+        kernel((1,), (1,), (out,))
+        if float(out[0]) != 1.5:
+            return "CuPy compiled a test kernel but it computed a wrong result."
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "cuda_bf16.h" in str(exc) or "cannot open source file" in str(exc):
+            return ("CuPy cannot find the CUDA headers NVRTC needs (cuda_bf16.h); install the "
+                    "'[ctk]' extra of cupy or set CUDA_PATH.")
+        return f"CuPy cannot compile kernels with NVRTC ({first})."
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Which array library runs the model: `xp` is numpy or cupy."""
+
+    name: str            # "numpy" | "cupy"
+    xp: object           # the array module
+    reason: str | None   # why CuPy is not used (None when it is)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name == "cupy"
+
+    def describe(self) -> str:
+        if self.is_gpu:
+            return f"cupy on {gpu_name()}"
+        return f"numpy (CPU): {self.reason}" if self.reason else "numpy (CPU)"
+
+
+def resolve_backend(name: str | Backend = "auto") -> Backend:
+    """'auto' = CuPy when a GPU is usable, else NumPy; 'cupy' raises BackendError if impossible."""
+    if isinstance(name, Backend):
+        return name
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "numpy":
+        return Backend("numpy", np, "the NumPy backend was asked for.")
+    reason = cupy_unavailable_reason()
+    if reason is None:
+        import cupy
+        return Backend("cupy", cupy, None)
+    if name == "cupy":
+        raise BackendError(f"backend 'cupy' is not usable: {reason}")
+    return Backend("numpy", np, reason)
+
+
+def gpu_name() -> str:
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
+def is_device_array(x) -> bool:
+    """True for a CuPy array (without importing CuPy when it was never imported)."""
+    return type(x).__module__.startswith("cupy")
+
+
+def array_module(x):
+    """numpy or cupy, whichever owns `x`."""
+    if is_device_array(x):
+        import cupy
+        return cupy
+    return np
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel loader: kernels_cu/<stage>.cu -> cupy.RawModule, compiled once per stage
+# ----------------------------------------------------------------------------------------------
+
+NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
+
+
+def kernel_path(stage: str) -> Path:
+    if not re.fullmatch(r"[a-z0-9_]+", stage):
+        raise ValueError(f"kernel stage names are lowercase identifiers, got {stage!r}")
+    return KERNELS_DIR / f"{stage}.cu"
+
+
+@functools.lru_cache(maxsize=None)
+def load_module(stage: str):
+    """Compile kernels_cu/<stage>.cu once; errors name the file and line."""
+    import cupy
+    path = kernel_path(stage)
+    if not path.is_file():
+        raise FileNotFoundError(f"no kernel source {path}")
+    source = path.read_text()
+    options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",)
+    try:
+        module = cupy.RawModule(code=source, options=options)
+        module.compile()  # compile now, not at first launch, so the error surfaces here
+    except cupy.cuda.compiler.CompileException as exc:
+        raise KernelCompileError(_point_at_source(str(exc), path)) from None
+    return module
+
+
+def load_kernel(stage: str, name: str):
+    """The `extern "C"` kernel `name` of kernels_cu/<stage>.cu as a cupy.RawKernel."""
+    return load_module(stage).get_function(name)
+
+
+def _point_at_source(log: str, path: Path) -> str:
+    """NVRTC names a temporary file; rewrite 'tmpXYZ.cu(12): error' as 'kernels_cu/x.cu(12): error'."""
+    shown = path.relative_to(path.parent.parent) if path.parent.parent in path.parents else path
+    lines = [re.sub(r"\S*\.cu\((\d+)\)", lambda m: f"{shown}({m.group(1)})", ln) for ln in log.splitlines()]
+    errors = [ln for ln in lines if "error" in ln]
+    head = errors[0] if errors else (lines[0] if lines else "unknown error")
+    return f"{shown} failed to compile: {head}\n" + "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 on the host: the top 16 bits of an IEEE float32, rounded to nearest even
+# ----------------------------------------------------------------------------------------------
+
+def f32_to_bf16(x) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round-to-nearest-even; NaN -> 0x7FC0 like PyTorch."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit rounds to nearest, ties to even.
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    out = rounded.astype(np.uint16)
+    out[np.isnan(x)] = 0x7FC0
+    return out
+
+
+def bf16_to_f32(bits) -> np.ndarray:
+    """bf16 bits (uint16) -> float32, exact (shift the bits back into the top half)."""
+    bits = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def round_to_bf16(x) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (still float32): what the GPU stores."""
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# cuBLAS matmul (row-major view of a column-major library)
+# ----------------------------------------------------------------------------------------------
+# cuBLAS is column-major: it sees a row-major [M, K] array as a column-major K x M matrix. So a
+# row-major product C[M,N] = A[M,K] @ op(B) is computed as the column-major product
+#     C^T (N x M) = op(B)^T (N x K) @ A^T (K x M),
+# i.e. we call gemm with the operands swapped: first operand B, second operand A, m=N, n=M.
+# With nn.Linear weights stored [out, in] = [N, K], `trans_b=True` gives y = x @ W^T.
+
+_CUDA_DTYPE = {np.dtype(np.uint16): 14, np.dtype(np.float32): 0}   # CUDA_R_16BF, CUDA_R_32F
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+
+
+def _matrix_layout(x, what: str):
+    """(leading dimension, batch stride) in elements of a [.., rows, cols] view with unit col stride."""
+    item = x.dtype.itemsize
+    if x.ndim not in (2, 3) or x.strides[-1] != item:
+        raise ValueError(f"matmul: {what} must be 2-D or 3-D with contiguous rows, got shape "
+                         f"{x.shape} strides {x.strides}")
+    ld = x.strides[-2] // item
+    batch_stride = x.strides[0] // item if x.ndim == 3 else 0
+    return max(ld, 1), batch_stride
+
+
+def matmul(a, b, out, *, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0):
+    """Row-major out = alpha * a @ op(b) + beta * out on the GPU through cuBLAS gemmEx.
+
+    a:   [(batch,) M, K]                  bf16 (uint16) or float32 CuPy array
+    b:   [(batch,) N, K] if trans_b else [(batch,) K, N]   same dtype as a
+    out: [(batch,) M, N]                  float32 or bf16 (uint16); accumulation is always fp32
+    Views with a row stride (e.g. one head's columns of a [T, H*D] matrix) are fine; a 3-D
+    operand's batch stride may be 0 to broadcast it.
+    """
+    from cupy_backends.cuda.libs import cublas
+    import cupy
+
+    if a.dtype != b.dtype or a.dtype not in _CUDA_DTYPE or out.dtype not in _CUDA_DTYPE:
+        raise ValueError(f"matmul: unsupported dtypes a={a.dtype} b={b.dtype} out={out.dtype}")
+    M, K = a.shape[-2:]
+    N = b.shape[-2] if trans_b else b.shape[-1]
+    Kb = b.shape[-1] if trans_b else b.shape[-2]
+    batch = out.shape[0] if out.ndim == 3 else 1
+    if Kb != K or out.shape[-2:] != (M, N):
+        raise ValueError(f"matmul: shapes do not chain: a{a.shape} b{b.shape} (trans_b={trans_b}) out{out.shape}")
+    for x in (a, b):
+        if x.ndim == 3 and x.shape[0] != batch:
+            raise ValueError(f"matmul: batch sizes differ: a{a.shape} b{b.shape} out{out.shape}")
+    lda, sa = _matrix_layout(a, "a")
+    ldb, sb = _matrix_layout(b, "b")
+    ldc, sc = _matrix_layout(out, "out")
+    op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    scal = np.array([alpha, beta], dtype=np.float32)
+    alpha_ptr, beta_ptr = scal.ctypes.data, scal.ctypes.data + 4
+    ta, tc = _CUDA_DTYPE[a.dtype], _CUDA_DTYPE[out.dtype]
+    if batch == 1 and out.ndim == 2:
+        cublas.gemmEx(handle, op_b, cublas.CUBLAS_OP_N, N, M, K, alpha_ptr,
+                      b.data.ptr, ta, ldb, a.data.ptr, ta, lda, beta_ptr,
+                      out.data.ptr, tc, ldc, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    else:
+        cublas.gemmStridedBatchedEx(handle, op_b, cublas.CUBLAS_OP_N, N, M, K, alpha_ptr,
+                                    b.data.ptr, ta, ldb, sb, a.data.ptr, ta, lda, sa, beta_ptr,
+                                    out.data.ptr, tc, ldc, sc, batch,
+                                    _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    return out
