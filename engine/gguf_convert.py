@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -404,6 +405,7 @@ def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Pat
     from engine.safetensors import save_file
 
     progress = progress or _quiet
+    start = time.perf_counter()
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GGUFConversionError(f"output directory {out_dir} already exists and is not empty")
@@ -418,6 +420,8 @@ def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Pat
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     config = build_config(metadata, vocab_size=int(embedding.shape[1]), tied=tied)
     tokenizer, tokenizer_config = build_tokenizer_files(metadata, config)
+    progress(f"converting {gguf_path.name}: {config['num_hidden_layers']} layers, "
+             f"vocab {config['vocab_size']}, {len(reader.tensors)} tensors")
     tensors = convert_tensors(reader, config, progress)
 
     tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
@@ -442,7 +446,7 @@ def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Pat
         raise GGUFConversionError(f"could not write {out_dir}: {e}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    progress(f"converted {gguf_path.name} -> {out_dir}")
+    progress(f"converted {gguf_path.name} -> {out_dir} in {time.perf_counter() - start:.1f} s")
     return out_dir
 
 
