@@ -144,14 +144,18 @@ def kernel_path(stage: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def load_module(stage: str):
-    """Compile kernels_cu/<stage>.cu once; errors name the file and line."""
+def load_module(stage: str, defines: tuple = ()):
+    """Compile kernels_cu/<stage>.cu once per set of -D defines; errors name the file and line.
+
+    `defines` are (NAME, value) pairs that specialize a kernel at compile time (e.g. HEAD_DIM),
+    so that its per-thread arrays have fixed sizes and live in registers.
+    """
     import cupy
     path = kernel_path(stage)
     if not path.is_file():
         raise FileNotFoundError(f"no kernel source {path}")
     source = path.read_text()
-    options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",)
+    options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",) + tuple(f"-D{k}={v}" for k, v in defines)
     try:
         module = cupy.RawModule(code=source, options=options)
         module.compile()  # compile now, not at first launch, so the error surfaces here
@@ -160,9 +164,9 @@ def load_module(stage: str):
     return module
 
 
-def load_kernel(stage: str, name: str):
+def load_kernel(stage: str, name: str, **defines):
     """The `extern "C"` kernel `name` of kernels_cu/<stage>.cu as a cupy.RawKernel."""
-    return load_module(stage).get_function(name)
+    return load_module(stage, tuple(sorted(defines.items()))).get_function(name)
 
 
 def _point_at_source(log: str, path: Path) -> str:

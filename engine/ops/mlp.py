@@ -1,0 +1,31 @@
+"""Chapter 07: the SwiGLU MLP, down( silu(gate(x)) * up(x) ), silu(g) = g * sigmoid(g)."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import is_device_array, load_kernel
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu_ref(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [T, 2I] (gate columns first, then up) -> silu(gate) * up, [T, I]."""
+    gate, up = np.split(gate_up, 2, axis=-1)
+    return silu(gate) * up
+
+
+def swiglu(gate_up):
+    """GPU: fp32 [T, 2I] -> bf16 [T, I] (the down projection's input) in one elementwise kernel."""
+    if not is_device_array(gate_up):
+        return swiglu_ref(gate_up)
+    import cupy as cp
+    T, two_i = gate_up.shape
+    I = two_i // 2
+    out = cp.empty((T, I), dtype=cp.uint16)
+    n = T * I
+    if n:
+        blocks = min((n + 255) // 256, 65535)
+        load_kernel("swiglu", "swiglu")((blocks,), (256,), (gate_up, out, np.int64(n), np.int32(I)))
+    return out

@@ -1,0 +1,101 @@
+"""Chapter 11 (used from chapter 08 on): attention over the KV cache, and writing K/V into it.
+
+The cache of one layer is [num_blocks, block_size, Hkv, D]. A sequence's block table lists its
+blocks; the token at absolute position p lives in block block_table[p // block_size] at offset
+p % block_size, i.e. at slot block * block_size + offset. The contiguous cache of chapters 08-10 is
+the special case of one block of block_size = max_context per sequence.
+
+Every query row r attends to positions 0..positions[r] of sequence seq_idx[r]: a decode step is one
+row per sequence; a prompt appended to a cached prefix is one row per prompt token.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import is_device_array, load_kernel
+from engine.config import LlamaConfig
+from engine.ops.attention import softmax, split_qkv
+
+
+def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
+    """k, v [T, Hkv, D] -> the cache rows slot_mapping[t] of k_cache/v_cache [NB, BS, Hkv, D]."""
+    Hkv, D = k_cache.shape[2:]
+    k_cache.reshape(-1, Hkv, D)[slot_mapping] = k
+    v_cache.reshape(-1, Hkv, D)[slot_mapping] = v
+
+
+def kv_write(qkv, slot_mapping, k_cache, v_cache, config: LlamaConfig) -> None:
+    """Store the k and v heads of a QKV buffer [T, (Hq + 2Hkv) * D] (after RoPE) in the cache."""
+    if not is_device_array(qkv):
+        _, k, v = split_qkv(qkv, config)
+        kv_write_ref(k, v, k_cache, v_cache, np.asarray(slot_mapping))
+        return
+    T = qkv.shape[0]
+    if T:
+        load_kernel("kv_write", "kv_write")((T,), (128,), (qkv, slot_mapping, k_cache, v_cache,
+                                                          np.int32(config.q_dim), np.int32(config.kv_dim)))
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale: float) -> np.ndarray:
+    """q [R, Hq, D] -> [R, Hq, D]; row r attends to positions 0..positions[r] of its sequence."""
+    R, Hq, D = q.shape
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = np.empty((R, Hq, D), dtype=np.float32)
+    for r in range(R):
+        ctx = int(positions[r]) + 1
+        pages = block_tables[seq_idx[r], : (ctx + BS - 1) // BS]
+        keys = k_cache[pages].reshape(-1, Hkv, D)[:ctx]                     # [ctx, Hkv, D]
+        values = v_cache[pages].reshape(-1, Hkv, D)[:ctx]
+        qg = q[r].reshape(Hkv, Hq // Hkv, D)                                 # [Hkv, r, D]
+        p = softmax(np.einsum("grd,sgd->grs", qg, keys) * np.float32(scale))  # [Hkv, r, ctx]
+        out[r] = np.einsum("grs,sgd->grd", p, values).reshape(Hq, D)
+    return out
+
+
+def choose_splits(rows: int, n_kv_heads: int, max_context: int, block_size: int, n_sms: int) -> int:
+    """Split the context when rows x KV heads would leave SMs idle (decode of few sequences)."""
+    blocks = rows * n_kv_heads
+    if blocks >= 2 * n_sms:
+        return 1
+    pages = (max_context + block_size - 1) // block_size
+    # each slice keeps at least ~256 keys so the merge stays cheap
+    max_by_len = max(1, (max_context + 255) // 256)
+    return int(max(1, min((4 * n_sms + blocks - 1) // blocks, pages, max_by_len, 64)))
+
+
+def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig,
+                    max_context: int, splits: int | None = None):
+    """Attention of every row of qkv [R, (Hq+2Hkv)*D] over the cache -> [R, Hq*D].
+
+    CPU: fp32 reference. GPU: the paged_attention kernel, split along the context (plus the merge
+    kernel) when there are too few rows to fill the GPU. `max_context` bounds positions + 1.
+    """
+    scale = config.head_dim ** -0.5
+    Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    R = qkv.shape[0]
+    if not is_device_array(qkv):
+        q, _, _ = split_qkv(qkv, config)
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale).reshape(R, -1)
+    import cupy as cp
+    out = cp.empty((R, Hq * D), dtype=cp.uint16)
+    if R == 0:
+        return out
+    block_size = k_cache.shape[1]
+    if splits is None:
+        n_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        splits = choose_splits(R, Hkv, max_context, block_size, n_sms)
+    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv)
+    if splits > 1:
+        part_ml = cp.empty((R, Hq, splits, 2), dtype=cp.float32)
+        part_acc = cp.empty((R, Hq, splits, D), dtype=cp.float32)
+    else:
+        part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
+    load_kernel("paged_attention", "paged_attention", **kernel_args)(
+        (R, Hkv, splits), (128,),
+        (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
+         seq_idx, positions, np.int32(block_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)),
+         out, np.int64(Hq * D), part_ml, part_acc))
+    if splits > 1:
+        load_kernel("paged_attention", "paged_attention_merge", **kernel_args)(
+            (R, Hq), (D,), (part_ml, part_acc, np.int32(splits), out, np.int64(Hq * D)))
+    return out

@@ -1,0 +1,47 @@
+"""Chapter 04: RMSNorm, y = x / sqrt(mean(x^2) + eps) * w (Llama's pre-norm, no mean subtraction)."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import is_device_array, load_kernel
+
+
+def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [T, H] float32, w [H] -> [T, H]. Same order of operations as Hugging Face's LlamaRMSNorm."""
+    variance = np.mean(x * x, axis=-1, keepdims=True)            # [T, 1]
+    return (x / np.sqrt(variance + np.float32(eps))) * w
+
+
+def add_rmsnorm_ref(residual: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """residual += delta (in place: the residual stream), then return rmsnorm(residual)."""
+    residual += delta
+    return rmsnorm_ref(residual, w, eps)
+
+
+def _threads(H: int) -> int:
+    return min(1024, max(32, 32 * ((H // 4 + 31) // 32)))   # ~4 values per thread, whole warps
+
+
+def rmsnorm(x, w, eps: float):
+    """GPU: x fp32 [T, H] -> bf16 [T, H] (the next GEMM's input). CPU: the reference."""
+    if not is_device_array(x):
+        return rmsnorm_ref(x, w, eps)
+    import cupy as cp
+    T, H = x.shape
+    out = cp.empty((T, H), dtype=cp.uint16)
+    if T:
+        load_kernel("rmsnorm", "rmsnorm")((T,), (_threads(H),), (x, w, out, np.int32(H), np.float32(eps)))
+    return out
+
+
+def add_rmsnorm(residual, delta, w, eps: float):
+    """residual += delta, then the normalized residual (bf16 on the GPU), in one pass over memory."""
+    if not is_device_array(residual):
+        return add_rmsnorm_ref(residual, delta, w, eps)
+    import cupy as cp
+    T, H = residual.shape
+    out = cp.empty((T, H), dtype=cp.uint16)
+    if T:
+        load_kernel("rmsnorm", "add_rmsnorm")((T,), (_threads(H),),
+                                              (residual, delta, w, out, np.int32(H), np.float32(eps)))
+    return out

@@ -1,0 +1,72 @@
+"""Chapter 05: rotary position embeddings (RoPE) in Hugging Face's rotate-half layout.
+
+A head vector x of size D is split in halves (x1, x2); pair i rotates by the angle pos * inv_freq[i]:
+    y1 = x1 * cos - x2 * sin,    y2 = x2 * cos + x1 * sin.
+The cos/sin tables are computed once for every position the model can see, in float32 exactly as
+transformers does, so both backends rotate by the same angles. Positions are always passed in
+explicitly: a decode step or a packed batch mixes tokens at many absolute positions.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.backend import is_device_array, load_kernel
+from engine.config import LlamaConfig
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """[D/2] float32 inverse frequencies, with Llama 3 scaling when the config asks for it."""
+    D = config.head_dim
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))).astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq).astype(np.float32)
+    smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+              / (rs.high_freq_factor - rs.low_freq_factor)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / rs.factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: [max_positions, D/2] float32, angle = position * inv_freq (float32 product)."""
+    positions = np.arange(max_positions, dtype=np.float32)[:, None]     # [P, 1]
+    angles = positions * rope_inv_freq(config)[None, :]                 # [P, D/2]
+    return np.cos(angles), np.sin(angles)
+
+
+def rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, n_heads, D], positions [T] -> rotated copy [T, n_heads, D]."""
+    half = x.shape[-1] // 2
+    c = cos[positions][:, None, :]                                       # [T, 1, D/2]
+    s = sin[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig):
+    """Rotate the q and k heads of a fused QKV projection output [T, (Hq + 2 Hkv) * D].
+
+    CPU: returns a float32 copy with q, k rotated. GPU: reads fp32, returns bf16 (uint16) with
+    q, k rotated and v converted, the layout attention and the KV cache read.
+    """
+    Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    if not is_device_array(qkv):
+        T = qkv.shape[0]
+        heads = qkv.reshape(T, Hq + 2 * Hkv, D)
+        rotated = rope_ref(heads[:, :Hq + Hkv], np.asarray(positions), cos, sin)
+        return np.concatenate([rotated, heads[:, Hq + Hkv:]], axis=1).reshape(T, -1)
+    import cupy as cp
+    T = qkv.shape[0]
+    out = cp.empty(qkv.shape, dtype=cp.uint16)
+    if T:
+        load_kernel("rope", "rope_qkv")((T,), (256,), (qkv, positions, cos, sin, out, np.int32(Hq + Hkv),
+                                                       np.int32(Hq + 2 * Hkv), np.int32(D)))
+    return out

@@ -1,0 +1,210 @@
+// Chapter 11: attention straight from the KV cache pages, with an fp32 online softmax.
+//
+// Every query row r (a decode token, or one token of a prompt being prefilled over the cache)
+// belongs to sequence seq_idx[r], sits at absolute position pos[r], and attends to the keys at
+// positions 0..pos[r] of its sequence. Key j lives in page block_tables[seq][j / BS] at offset j % BS.
+// The cache of one layer is [num_blocks, BS, Hkv, D] in bf16; a contiguous cache is the case of
+// one block of BS = max_context per sequence, so the same kernel serves chapters 08-11.
+//
+// Grid: (rows, Hkv, splits). One block serves ONE KV head and ALL the GROUP query heads that share
+// it (GQA): each key/value vector is loaded once and used GROUP times. No score matrix exists:
+// keys stream through and a running (max m, sum l, weighted sum acc) per query head is updated,
+//     m' = max(m, s),  l' = l*exp(m - m') + exp(s - m'),  acc' = acc*exp(m - m') + exp(s - m')*v.
+// Thread layout inside the block: 4 warps; a key's D values are split across LPK = D/8 lanes,
+// each lane loading 8 bf16 (one 16-byte load), so one warp handles KPW = 32/LPK keys per step;
+// warps take interleaved groups of keys. The dot product is finished with LPK-lane shuffles.
+// At the end the per-lane states are merged (shuffles inside a warp, shared memory across warps).
+// With splits > 1 each block covers one slice of the context and writes its unnormalized state;
+// paged_attention_merge combines the slices (split-K, for when there are too few rows to fill the GPU).
+//
+// Compile-time constants (NVRTC -D options): HEAD_DIM (16..256, power of two) and GROUP (query
+// heads per KV head, 1..8).
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 64
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+#define NWARPS 4
+#define LPK (HEAD_DIM / 8)          // lanes per key
+#define KPW (32 / LPK)              // keys per warp per step
+#define UNROLL 2                    // steps whose loads are issued before any math (latency hiding)
+
+static_assert(HEAD_DIM >= 16 && HEAD_DIM <= 256 && (HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM: power of two in [16, 256]");
+static_assert(GROUP >= 1 && GROUP <= 8, "GROUP in [1, 8]");
+
+struct State {               // running softmax state of one lane for every query head of the group
+    float m[GROUP], l[GROUP], acc[GROUP][8];
+};
+
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);          // 16 bytes = 8 bf16
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// Fold state b (m2, l2, acc2) into state a.
+__device__ __forceinline__ void merge_into(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+    const float m_new = fmaxf(m, m2);
+    if (m_new == -INFINITY) return;                 // both empty
+    const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
+    l = l * a + l2 * b;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + acc2[i] * b;
+    m = m_new;
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R, Hq*D] (row stride in elements)
+                const bf16* __restrict__ k_cache,                          // [NB, BS, Hkv, D]
+                const bf16* __restrict__ v_cache,                          // [NB, BS, Hkv, D]
+                const int* __restrict__ block_tables, int max_blocks,      // [S, max_blocks]
+                const int* __restrict__ seq_idx,                           // [R]
+                const int* __restrict__ positions,                         // [R]
+                int block_size, int n_kv_heads, float scale_log2e,
+                bf16* __restrict__ out, long long out_row_stride,          // [R, Hq*D]   (splits == 1)
+                float* __restrict__ part_ml,                               // [R, Hq, splits, 2] (splits > 1)
+                float* __restrict__ part_acc) {                            // [R, Hq, splits, D]
+    const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kg = lane / LPK;                   // which key of the warp's step this lane works on
+    const int d0 = (lane % LPK) * 8;             // first of this lane's 8 dimensions
+    const int* table = block_tables + (long long)seq_idx[r] * max_blocks;
+    const int ctx = positions[r] + 1;
+
+    // This split's slice of the context, in whole pages so that slices never share a page.
+    const int n_pages = (ctx + block_size - 1) / block_size;
+    const int pages_per_split = (n_pages + n_splits - 1) / n_splits;
+    const int k_begin = split * pages_per_split * block_size;
+    const int k_end = min(ctx, (split + 1) * pages_per_split * block_size);
+
+    // This lane's slice of every query head of the group, pre-scaled so that exp2 gives exp(scale*q.k).
+    float qf[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        load8(q + r * q_row_stride + (long long)(kvh * GROUP + g) * HEAD_DIM + d0, qf[g]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2e;
+    }
+    State st;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        st.m[g] = -INFINITY;
+        st.l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
+    }
+
+    const long long head_off = (long long)kvh * HEAD_DIM + d0;
+    const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
+    for (int base = k_begin + warp * KPW * UNROLL; base < k_end; base += NWARPS * KPW * UNROLL) {
+        float kf[UNROLL][8], vf[UNROLL][8];
+        bool valid[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {          // issue all loads first
+            const int j = base + u * KPW + kg;
+            valid[u] = j < k_end;
+            if (valid[u]) {
+                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                load8(k_cache + slot * token_stride + head_off, kf[u]);
+                load8(v_cache + slot * token_stride + head_off, vf[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s += qf[g][i] * (valid[u] ? kf[u][i] : 0.0f);
+#pragma unroll
+                for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                if (valid[u]) {
+                    const float m_new = fmaxf(st.m[g], s);
+                    const float alpha = exp2f(st.m[g] - m_new), p = exp2f(s - m_new);
+                    st.l[g] = st.l[g] * alpha + p;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) st.acc[g][i] = st.acc[g][i] * alpha + p * vf[u][i];
+                    st.m[g] = m_new;
+                }
+            }
+        }
+    }
+
+    // Merge the KPW key groups of each warp: lanes with the same d0 combine through shuffles.
+#pragma unroll
+    for (int off = LPK; off < 32; off <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float acc2[8];
+            const float m2 = __shfl_xor_sync(0xffffffffu, st.m[g], off);
+            const float l2 = __shfl_xor_sync(0xffffffffu, st.l[g], off);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, st.acc[g][i], off);
+            merge_into(st.m[g], st.l[g], st.acc[g], m2, l2, acc2);
+        }
+    }
+    // Merge the warps through shared memory: lanes 0..LPK-1 of each warp hold its whole state.
+    __shared__ float sh_ml[NWARPS][GROUP][2];
+    __shared__ float sh_acc[NWARPS][GROUP][HEAD_DIM];
+    if (lane < LPK) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            if (lane == 0) { sh_ml[warp][g][0] = st.m[g]; sh_ml[warp][g][1] = st.l[g]; }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sh_acc[warp][g][d0 + i] = st.acc[g][i];
+        }
+    }
+    __syncthreads();
+    // Each thread finishes some (head, dim) outputs by folding the NWARPS partial states.
+    for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
+        const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        float m = -INFINITY, l = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float m2 = sh_ml[w][g][0], l2 = sh_ml[w][g][1];
+            const float m_new = fmaxf(m, m2);
+            if (m_new == -INFINITY) continue;
+            const float a = exp2f(m - m_new), b = exp2f(m2 - m_new);
+            l = l * a + l2 * b;
+            acc = acc * a + sh_acc[w][g][d] * b;
+            m = m_new;
+        }
+        const int h = kvh * GROUP + g;
+        if (n_splits == 1) {
+            out[r * out_row_stride + (long long)h * HEAD_DIM + d] = f2bf(l > 0.0f ? acc / l : 0.0f);
+        } else {
+            const long long p = ((long long)r * gridDim.y * GROUP + h) * n_splits + split;
+            part_acc[p * HEAD_DIM + d] = acc;
+            if (d == 0) { part_ml[2 * p] = m; part_ml[2 * p + 1] = l; }
+        }
+    }
+}
+
+// Split-K epilogue: out[r, h, :] = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+// Grid (rows, Hq); HEAD_DIM threads, one per output dimension.
+extern "C" __global__ void paged_attention_merge(const float* __restrict__ part_ml,    // [R, Hq, splits, 2]
+                                                  const float* __restrict__ part_acc,   // [R, Hq, splits, D]
+                                                  int n_splits,
+                                                  bf16* __restrict__ out, long long out_row_stride) {
+    const int r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const long long p0 = ((long long)r * gridDim.y + h) * n_splits;
+    float m = -INFINITY;
+    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, part_ml[2 * (p0 + s)]);
+    float l = 0.0f, acc = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float ms = part_ml[2 * (p0 + s)];
+        if (ms == -INFINITY) continue;              // an empty slice
+        const float w = exp2f(ms - m);
+        l += part_ml[2 * (p0 + s) + 1] * w;
+        acc += part_acc[(p0 + s) * HEAD_DIM + d] * w;
+    }
+    out[r * out_row_stride + (long long)h * HEAD_DIM + d] = f2bf(l > 0.0f ? acc / l : 0.0f);
+}
