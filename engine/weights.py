@@ -1,0 +1,136 @@
+"""Model weights: checkpoint tensors -> the arrays the forward pass uses (chapter 01).
+
+Every expected tensor must be present with its exact shape, and an unexpected tensor is an error:
+a checkpoint that does not match its config.json is refused, never half-loaded. q/k/v and
+gate/up are fused into one matrix each here, once, so each is a single GEMM at run time.
+
+CPU backend: float32 arrays (bf16 -> fp32 is exact). GPU backend: matrices stay bf16 on the device
+(uint16 bits, copied straight from the file mapping into their slice of the fused matrix); the
+small norm vectors are fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.backend import Backend
+from engine.config import ConfigError, LlamaConfig
+from engine.safetensors import Checkpoint, open_checkpoint
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: object    # [H]              fp32
+    qkv: object           # [Hq*D + 2*Hkv*D, H]  q rows, then k rows, then v rows
+    o: object             # [H, Hq*D]
+    post_norm: object     # [H]              fp32
+    gate_up: object       # [2*I, H]         gate rows, then up rows
+    down: object          # [H, I]
+
+
+@dataclass
+class Weights:
+    embed: object         # [V, H]
+    layers: list
+    norm: object          # [H]              fp32
+    lm_head: object       # [V, H]  (the same array as embed when tied)
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor a Llama checkpoint must hold."""
+    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(config.num_hidden_layers):
+        p = layer_prefix(i)
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (config.q_dim, H),
+            p + "self_attn.k_proj.weight": (config.kv_dim, H),
+            p + "self_attn.v_proj.weight": (config.kv_dim, H),
+            p + "self_attn.o_proj.weight": (H, config.q_dim),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        })
+    return shapes
+
+
+def _ignorable(name: str, config: LlamaConfig) -> bool:
+    """Tensors some exporters add that carry nothing new: rotary buffers (recomputed from the
+    config) and a copy of the embedding under lm_head when the embeddings are tied."""
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
+    """Raise ConfigError unless the checkpoint holds exactly the tensors the config implies."""
+    expected = expected_shapes(config)
+    missing = [n for n in expected if n not in ckpt]
+    if missing:
+        raise ConfigError(f"{ckpt.path}: {len(missing)} expected tensor(s) missing, e.g. {missing[:3]}")
+    unexpected = [n for n in ckpt.keys() if n not in expected and not _ignorable(n, config)]
+    if unexpected:
+        raise ConfigError(f"{ckpt.path}: unexpected tensor(s) {unexpected[:3]} for this config")
+    for name, shape in expected.items():
+        if tuple(ckpt.shape(name)) != shape:
+            raise ConfigError(f"{ckpt.path}: tensor {name!r} has shape {tuple(ckpt.shape(name))}, "
+                              f"config.json implies {shape}")
+        if ckpt.dtype(name) not in FLOAT_DTYPES:
+            raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; weights must be "
+                              f"one of {FLOAT_DTYPES}")
+
+
+class _Loader:
+    """Reads tensors as float32 (CPU) or as bf16 device arrays (GPU), fusing row blocks."""
+
+    def __init__(self, ckpt: Checkpoint, backend: Backend):
+        self.ckpt, self.gpu = ckpt, backend.is_gpu
+        self.xp = backend.xp
+
+    def matrix(self, *names: str):
+        """Stack the named [rows_i, cols] matrices along rows (one name: the matrix itself)."""
+        parts = [self.ckpt.get_bf16_bits(n) if self.gpu else self.ckpt.get_tensor(n) for n in names]
+        rows = sum(p.shape[0] for p in parts)
+        out = self.xp.empty((rows, parts[0].shape[1]), dtype=self.xp.uint16 if self.gpu else self.xp.float32)
+        r = 0
+        for p in parts:      # host mapping -> its slice of the fused matrix, one copy
+            if self.gpu:
+                out[r:r + p.shape[0]].set(np.ascontiguousarray(p))
+            else:
+                out[r:r + p.shape[0]] = p
+            r += p.shape[0]
+        return out
+
+    def vector(self, name: str):
+        if self.gpu:
+            return self.ckpt.to_device(name, "f32")
+        return np.array(self.ckpt.get_tensor(name), dtype=np.float32)
+
+
+def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
+    with open_checkpoint(model_dir) as ckpt:
+        check_checkpoint(ckpt, config)
+        ld = _Loader(ckpt, backend)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = layer_prefix(i)
+            layers.append(LayerWeights(
+                input_norm=ld.vector(p + "input_layernorm.weight"),
+                qkv=ld.matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                o=ld.matrix(p + "self_attn.o_proj.weight"),
+                post_norm=ld.vector(p + "post_attention_layernorm.weight"),
+                gate_up=ld.matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=ld.matrix(p + "mlp.down_proj.weight"),
+            ))
+        embed = ld.matrix("model.embed_tokens.weight")
+        lm_head = embed if config.tie_word_embeddings else ld.matrix("lm_head.weight")
+        return Weights(embed=embed, layers=layers, norm=ld.vector("model.norm.weight"), lm_head=lm_head)
