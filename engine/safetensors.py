@@ -402,19 +402,23 @@ def load_file(path) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------- writing
 
-def _encode(name: str, array, float_dtype: str | None) -> tuple[str, np.ndarray]:
-    """(safetensors dtype, contiguous little-endian array holding exactly the bytes to write)."""
-    array = np.asarray(array)
+def _stored_dtype(name: str, array: np.ndarray, float_dtype: str | None) -> str:
+    """The safetensors dtype `array` is written as."""
     if array.dtype.kind == "f" and float_dtype is not None:
-        if float_dtype == "BF16":
-            return "BF16", f32_to_bf16(array.astype(np.float32)).reshape(array.shape)
-        array = array.astype(DTYPES[float_dtype][0])
-    little = array.dtype.newbyteorder("<")
-    if little not in _NAME_OF_NUMPY:
+        return float_dtype
+    name_of = _NAME_OF_NUMPY.get(array.dtype.newbyteorder("<"))
+    if name_of is None:
         raise SafetensorsError(f"tensor {name!r}: NumPy dtype {array.dtype} has no safetensors "
                                "equivalent")
+    return name_of
+
+
+def _stored_bytes(array: np.ndarray, st_dtype: str) -> np.ndarray:
+    """A C-contiguous little-endian array holding exactly the bytes to write (same shape)."""
+    if st_dtype == "BF16":
+        return f32_to_bf16(array.astype(np.float32, copy=False)).reshape(array.shape)
     # astype, not ascontiguousarray: the latter turns a 0-d scalar into shape (1,)
-    return _NAME_OF_NUMPY[little], array.astype(little, order="C", copy=False)
+    return array.astype(DTYPES[st_dtype][0], order="C", copy=False)
 
 
 def save_file(tensors: dict, path, metadata: dict | None = None, dtype: str | None = None) -> None:
@@ -434,15 +438,19 @@ def save_file(tensors: dict, path, metadata: dict | None = None, dtype: str | No
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise SafetensorsError("metadata must map strings to strings")
         header["__metadata__"] = dict(metadata)
-    payload, offset = [], 0
+    # The header first (it needs only dtypes and shapes); each tensor is converted only when it is
+    # written, so saving a float32 model as BF16 never holds a second copy of the whole model.
+    arrays, offset = {}, 0
     for name in sorted(tensors):
         if not isinstance(name, str) or name == "__metadata__":
             raise SafetensorsError(f"invalid tensor name {name!r}")
-        st_dtype, data = _encode(name, tensors[name], dtype)
-        header[name] = {"dtype": st_dtype, "shape": list(data.shape),
-                        "data_offsets": [offset, offset + data.nbytes]}
-        payload.append(data)
-        offset += data.nbytes
+        array = np.asarray(tensors[name])
+        st_dtype = _stored_dtype(name, array, dtype)
+        nbytes = array.size * DTYPES[st_dtype][1]
+        header[name] = {"dtype": st_dtype, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        arrays[name] = array
+        offset += nbytes
     try:
         header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
@@ -455,7 +463,8 @@ def save_file(tensors: dict, path, metadata: dict | None = None, dtype: str | No
         with open(tmp, "xb") as f:  # a fresh file with the usual permissions
             f.write(len(header_bytes).to_bytes(8, "little"))
             f.write(header_bytes)
-            for data in payload:
+            for name, array in arrays.items():
+                data = _stored_bytes(array, header[name]["dtype"])
                 f.write(data.reshape(-1).view(np.uint8).data)  # no tobytes() copy
         os.replace(tmp, path)
     except BaseException:
