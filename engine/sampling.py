@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,3 +43,85 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The draw: one uniform number per (request, step), from the request's seed
+# ----------------------------------------------------------------------------------------------
+_MASK64 = (1 << 64) - 1
+
+
+def step_uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, step): splitmix64 of the pair.
+
+    Stateless on purpose: a request that is preempted and recomputed, or a batch that failed and
+    is retried, draws the same number for the same step, so seeded sampling stays reproducible.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: its own, or a fresh random one."""
+    return params.seed if params.seed is not None else int(np.random.SeedSequence().entropy) & _MASK64
+
+
+# ----------------------------------------------------------------------------------------------
+# The NumPy reference (what kernels_cu/sampling.cu computes)
+# ----------------------------------------------------------------------------------------------
+
+def keep_mask(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(p, keep) for one row: p = exp((z - max z) / T) unnormalized, keep = the tokens that survive
+    top-k (ties at the k-th value kept) and then top-p (smallest top set holding top_p of the mass)."""
+    z = logits.astype(np.float32)
+    if temperature == 0:
+        p = (z == z.max()).astype(np.float32)
+        return p, p > 0
+    p = np.exp((z - z.max()) / np.float32(temperature)).astype(np.float32)
+    keep = np.ones(p.shape, dtype=bool)
+    if 0 < top_k < p.size:
+        keep = p >= np.partition(p, p.size - top_k)[p.size - top_k]
+    if top_p < 1.0:
+        kept = np.sort(p[keep])[::-1]
+        cum = np.cumsum(kept, dtype=np.float32)
+        n = int(np.searchsorted(cum, np.float32(top_p) * cum[-1], side="left"))
+        keep &= p >= kept[min(n, kept.size - 1)]
+    return p, keep
+
+
+def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+    """Inverse CDF over the kept tokens in index order; temperature 0 returns the first argmax."""
+    p, keep = keep_mask(logits, temperature, top_k, top_p)
+    mass = np.where(keep, p, np.float32(0))
+    cum = np.cumsum(mass, dtype=np.float32)
+    if temperature == 0:
+        u = 0.0
+    i = int(np.searchsorted(cum, np.float32(u) * cum[-1], side="right"))
+    return i if i < p.size and keep[i] else int(np.flatnonzero(keep)[-1])
+
+
+def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.ndarray:
+    """One token per row of logits [R, V] -> int32 [R] on the host.
+
+    On the GPU only the R sampled ids cross to the host (argmax kernel when every row is greedy,
+    the sampling kernel otherwise).
+    """
+    from engine.backend import is_device_array, load_kernel
+    from engine.ops.argmax import argmax_rows
+    R = len(params)
+    if not is_device_array(logits):
+        return np.array([sample_ref(logits[r], p.temperature, p.top_k, p.top_p, u)
+                         for r, (p, u) in enumerate(zip(params, uniforms))], dtype=np.int32)
+    import cupy as cp
+    if all(p.greedy for p in params):
+        return cp.asnumpy(argmax_rows(logits))
+    V = logits.shape[1]
+    knobs = [cp.asarray(np.array(v, dtype=dt)) for v, dt in (
+        ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
+        ([p.top_p for p in params], np.float32), (uniforms, np.float32))]
+    out = cp.empty(R, dtype=cp.int32)
+    load_kernel("sampling", "sample_rows")((R,), (1024,), (logits, *knobs, out, np.int32(V)))
+    return cp.asnumpy(out)

@@ -1,0 +1,154 @@
+"""`engine.LLM`: serve many prompts at once (chapters 09-12).
+
+The model runner: it owns the model and the KV cache memory, and drives the scheduler (which owns
+only metadata) one step at a time:
+
+    schedule() -> Batch  ->  model.forward(ForwardBatch, cache)  ->  sample  ->  complete()
+
+Batching is "continuous" (admit whenever capacity frees up) or "static" (one group at a time);
+the cache is "paged" (a shared pool of 16-token pages) or "contiguous" (one max_context slot per
+sequence). Every combination returns the same greedy tokens: the tests hold them to it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.backend import resolve_backend
+from engine.kv_cache import KVCache
+from engine.model import ForwardBatch, Model, load_model
+from engine.paged_kv import PageAllocator, SlotAllocator
+from engine.sampling import SamplingParams, resolve_seed, sample, step_uniform
+from engine.scheduler import Scheduler
+
+BATCHING = ("continuous", "static")
+KV_CACHES = ("paged", "contiguous")
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]       # generated tokens (a stopping eos included)
+    text: str                  # decoded generated text (special tokens skipped); "" without a tokenizer
+    finish_reason: str         # "stop" | "length"
+
+
+def default_max_context(model_max: int) -> int:
+    return min(model_max, DEFAULT_MAX_CONTEXT)
+
+
+class LLM:
+    def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
+                 kv_cache_mib: float | None = None, *, max_context: int | None = None,
+                 max_seqs: int | None = None, max_batch_tokens: int | None = None,
+                 admission: str = "conservative", page_size: int = 16):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+        if kv_cache_mib is not None and not kv_cache_mib > 0:
+            raise ValueError(f"kv_cache_mib must be > 0, got {kv_cache_mib!r}")
+        b = resolve_backend(backend)
+        model_dir = Path(model_dir)
+        from engine.config import load_config
+        config = load_config(model_dir)
+        self.max_context = max_context or default_max_context(config.max_position_embeddings)
+        self.model: Model = load_model(model_dir, b, self.max_context)
+        self.config, self.backend = config, b
+        self.tokenizer = None
+        if (model_dir / "tokenizer.json").is_file():
+            from engine.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(model_dir)
+        self.batching, self.kv_cache_kind, self.admission = batching, kv_cache, admission
+        self.max_seqs = max_seqs or (256 if b.is_gpu else 16)
+        self.max_batch_tokens = max(max_batch_tokens or (8192 if b.is_gpu else 2048), self.max_seqs)
+        self.page_size = page_size
+        self.cache = self._allocate_cache(kv_cache_mib)
+        self.last_step_log: list[dict] = []
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _default_kv_mib(self) -> float:
+        """Enough for every sequence at full context, capped by what the device can spare."""
+        per_token = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4)
+        wanted = self.max_seqs * self.max_context * per_token / 2**20
+        if self.backend.is_gpu:
+            free, _ = self.backend.xp.cuda.runtime.memGetInfo()
+            return min(wanted, 0.5 * free / 2**20)
+        return min(wanted, 1024.0)
+
+    def _allocate_cache(self, kv_cache_mib):
+        if self.kv_cache_kind == "contiguous":
+            per_slot = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4) * self.max_context
+            slots = self.max_seqs if kv_cache_mib is None else int(kv_cache_mib * 2**20 // per_slot)
+            if slots < 1:
+                raise ValueError(f"kv_cache_mib={kv_cache_mib} cannot hold one slot of {self.max_context} tokens")
+            self.max_seqs = min(self.max_seqs, slots)
+            return KVCache.contiguous(self.config, slots, self.max_context, self.backend)
+        mib = self._default_kv_mib() if kv_cache_mib is None else kv_cache_mib
+        return KVCache.paged(self.config, mib, self.page_size, self.backend)
+
+    def new_scheduler(self) -> Scheduler:
+        if self.kv_cache_kind == "contiguous":
+            allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
+        else:
+            allocator = PageAllocator(self.cache.num_blocks, self.page_size)
+        return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
+                         self.config.eos_token_ids, policy=self.batching, admission=self.admission)
+
+    # ---- serving -----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        self.model.validate_tokens(ids)
+        return [int(t) for t in ids]
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Serve every prompt (strings or token-id lists); results in input order.
+
+        Every request is checked before anything runs: a ValueError leaves nothing behind.
+        """
+        if isinstance(prompts, str) or (len(prompts) and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise ValueError("params must be engine.SamplingParams (one, or one per prompt)")
+        sched = self.new_scheduler()
+        ids = [sched.submit(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
+        seeds = {rid: resolve_seed(sp) for rid, sp in zip(ids, plist)}
+        results = {}
+        while sched.has_unfinished():
+            self.step(sched, seeds)
+            results.update((r.request_id, r) for r in sched.pop_finished())
+        results.update((r.request_id, r) for r in sched.pop_finished())
+        self.last_step_log = sched.step_log
+        return [self._output(results[rid]) for rid in ids]
+
+    def step(self, sched: Scheduler, seeds: dict[int, int]) -> None:
+        """One forward pass of whatever the scheduler picks; a failure leaves its state unchanged."""
+        batch = sched.schedule()
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
+                              batch.slot_mapping, logits_rows=batch.last_token_indices)
+            logits = self.model.forward(fb, self.cache)
+            tokens = sample(logits, [row.params for row in batch.rows],
+                            [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows])
+        except BaseException:
+            sched.fail(batch.batch_id)
+            raise
+        sched.complete(batch.batch_id, tokens.tolist())
+        sched.step_log[-1]["seconds"] = time.perf_counter() - t0
+
+    def _output(self, result) -> RequestOutput:
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return RequestOutput(result.prompt_ids, result.token_ids, text, result.finish_reason)
