@@ -1,0 +1,100 @@
+"""The whole model against transformers (fp32, CPU) on tiny random Llama configs.
+
+The reference logits were produced once by tests/make_model_fixtures.py and committed, so this runs
+without torch. The test rebuilds the very same random model directory (write_random_model is
+deterministic: the sha256 of model.safetensors must match the fixture) and holds
+engine.load_model(dir, backend="numpy").logits(ids) to them: max |diff| / max |ref| <= 1e-4 and
+the same argmax at every position. When torch + transformers are importable, the same checks
+also run live against transformers on the same directory.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from engine.model import load_model
+from engine.random_model import write_random_model
+from oracle_helpers import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
+
+INDEX = json.loads((FIXTURES / "model_oracle_index.json").read_text())
+NAMES = sorted(INDEX["models"])
+REL_TOL = 1e-4
+REGENERATE = "regenerate the fixtures with `python tests/make_model_fixtures.py`"
+
+
+@pytest.fixture(scope="module")
+def rebuilt(tmp_path_factory):
+    """name -> (model directory, token ids, reference logits), built lazily once per module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            entry = INDEX["models"][name]
+            model_dir = write_random_model(tmp_path_factory.mktemp(name), entry["config"],
+                                           seed=INDEX["seed"], dtype=entry["dtype"])
+            with np.load(FIXTURES / f"model_oracle_{name}.npz") as f:
+                cache[name] = (model_dir, f["token_ids"], f["logits"])
+        return cache[name]
+    return get
+
+
+def check_logits(logits: np.ndarray, ref: np.ndarray, what: str) -> None:
+    assert logits.dtype == np.float32 and logits.shape == ref.shape, (logits.dtype, logits.shape, ref.shape)
+    err = relative_error(logits, ref)
+    assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL:g}"
+    mismatched = np.flatnonzero(np.argmax(logits, -1) != np.argmax(ref, -1))
+    assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
+
+
+def test_fixtures_cover_the_required_shapes():
+    """Tied and untied, MHA / GQA / MQA, head_dim != hidden/heads, llama3 scaling and none."""
+    configs = [INDEX["models"][n]["config"] for n in NAMES]
+    ratios = {c["num_attention_heads"] // c.get("num_key_value_heads", c["num_attention_heads"]) for c in configs}
+    assert {1, 3, 4} <= ratios and any(c.get("num_key_value_heads") == 1 for c in configs)
+    assert {c["tie_word_embeddings"] for c in configs} == {True, False}
+    assert any(c.get("head_dim", 0) * c["num_attention_heads"] != c["hidden_size"] for c in configs)
+    assert any(c.get("rope_scaling") for c in configs) and any(not c.get("rope_scaling") for c in configs)
+    assert {INDEX["models"][n]["dtype"] for n in NAMES} == {"BF16", "F32"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_random_model_is_rebuilt_bit_for_bit(rebuilt, name):
+    model_dir, _, _ = rebuilt(name)
+    assert sha256_file(model_dir / "model.safetensors") == INDEX["models"][name]["sha256"], \
+        f"write_random_model no longer writes the same weights for {name}: {REGENERATE}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_numpy_logits_match_transformers_fixture(rebuilt, name):
+    model_dir, ids, ref = rebuilt(name)
+    check_logits(load_model(model_dir, backend="numpy").logits(ids.tolist()), ref, f"{name} vs fixture")
+
+
+@pytest.mark.parametrize("name", NAMES[:3])
+def test_logits_are_causal(rebuilt, name):
+    """The logits of a prefix are the first rows of the logits of the whole sequence."""
+    model_dir, ids, _ = rebuilt(name)
+    model = load_model(model_dir, backend="numpy")
+    full = model.logits(ids)
+    for n in (1, 2, len(ids) // 3):
+        np.testing.assert_allclose(model.logits(ids[:n]), full[:n], rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+def test_logits_refuses_bad_token_ids(rebuilt):
+    model = load_model(rebuilt(NAMES[0])[0], backend="numpy")
+    for bad in ([], [-1], [model.config.vocab_size], [[1, 2]], [1.5]):
+        with pytest.raises(ValueError):
+            model.logits(bad)
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", NAMES)
+def test_numpy_logits_match_transformers_live(rebuilt, name):
+    model_dir, ids, ref = rebuilt(name)
+    live = hf_logits(model_dir, ids.tolist())
+    check_logits(live, ref, f"{name}: transformers today vs the fixture")
+    # fresh ids (another length, other tokens) so the live test is not only a replay of the fixture
+    vocab = INDEX["models"][name]["config"]["vocab_size"]
+    other = np.random.default_rng(7).integers(0, vocab, size=len(ids) // 2 + 3).tolist()
+    check_logits(load_model(model_dir, backend="numpy").logits(other), hf_logits(model_dir, other),
+                 f"{name} vs transformers live")
