@@ -1,0 +1,307 @@
+"""`python -m engine.bench`: measured performance, one JSON line per measurement (chapter 12).
+
+Every line carries its setup (model shape, backend, device, batch, prompt/output lengths) and its
+figures, next to a peer measured in the same run (transformers, with --hf) or the device's measured
+ceiling (copy bandwidth). Scenarios:
+
+  parity   logits of this backend vs the NumPy backend (and transformers) on the same weights
+  prefill  one prompt of --prompt-len tokens: time and tokens/s
+  decode   batch 1: --prompt-len prompt, --new-tokens generated; decode tok/s, achieved bandwidth
+  serve    --requests requests with prompt and output lengths uniform in [--min-len, --max-len]
+           (seeded, ignore_eos): output tok/s for each batching x cache mode, concurrency
+
+    python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario prefill decode --hf
+    python -m engine.bench --backend numpy --scenario decode --prompt-len 128 --new-tokens 128 --hf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.backend import BACKENDS, resolve_backend
+from engine.config import load_config
+
+SCENARIOS = ("parity", "prefill", "decode", "serve")
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def device_name(backend) -> str:
+    if backend.is_gpu:
+        from engine.backend import gpu_name
+        return gpu_name()
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def sync(backend) -> None:
+    if backend.is_gpu:
+        backend.xp.cuda.Device().synchronize()
+
+
+def copy_bandwidth(backend) -> float:
+    """Measured copy bandwidth in GB/s (bytes read + written): the ceiling for memory-bound steps."""
+    xp = backend.xp
+    n = 2**28 if backend.is_gpu else 2**25
+    a, b = xp.ones(n, dtype=xp.float32), xp.empty(n, dtype=xp.float32)
+    best = float("inf")
+    for _ in range(5):
+        sync(backend)
+        t = time.perf_counter()
+        b[...] = a
+        sync(backend)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * 4 / best / 1e9
+
+
+def random_prompt(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, vocab, n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+class HFPeer:
+    """transformers on the same directory: bf16 on the GPU, fp32 on the CPU."""
+
+    def __init__(self, model_dir: Path, gpu: bool):
+        import torch
+        import transformers
+        self.torch = torch
+        self.device = "cuda" if gpu else "cpu"
+        dtype = torch.bfloat16 if gpu else torch.float32
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.version = transformers.__version__
+
+    def sync(self):
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def logits(self, ids) -> np.ndarray:
+        with self.torch.no_grad():
+            out = self.model(self.torch.tensor([ids], device=self.device)).logits[0]
+        return out.float().cpu().numpy()
+
+    def prefill_seconds(self, ids, last_only: bool) -> float:
+        x = self.torch.tensor([ids], device=self.device)
+        kw = {"logits_to_keep": 1} if last_only else {}
+        with self.torch.no_grad():
+            for _ in range(2):
+                self.model(x, **kw)
+            self.sync()
+            t = time.perf_counter()
+            for _ in range(5):
+                self.model(x, **kw)
+            self.sync()
+        return (time.perf_counter() - t) / 5
+
+    def generate_seconds(self, batch_ids: list[list[int]], new_tokens: int, static_cache=False) -> float:
+        torch = self.torch
+        width = max(len(p) for p in batch_ids)
+        pad = 0
+        x = torch.tensor([[pad] * (width - len(p)) + p for p in batch_ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_ids], device=self.device)
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        if static_cache:
+            kw["cache_implementation"] = "static"
+        with torch.no_grad():
+            self.model.generate(x[:, :8], attention_mask=mask[:, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+            self.sync()
+            t = time.perf_counter()
+            self.model.generate(x, attention_mask=mask, **kw)
+            self.sync()
+        return time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------------------------------
+def scenario_parity(args, setup, model, model_dir, hf):
+    from engine.model import load_model
+    rng = np.random.default_rng(0)
+    ids = random_prompt(rng, args.parity_len, model.config.vocab_size)
+    ours = model.logits(ids)
+    rec = {**setup, "scenario": "parity", "tokens": len(ids)}
+    if model.backend.is_gpu:
+        ref = load_model(model_dir, "numpy", model.max_context).logits(ids)
+        rec["rel_err_vs_numpy"] = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+        rec["argmax_agree_vs_numpy"] = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
+    if hf is not None:
+        ref = hf.logits(ids)
+        rec["rel_err_vs_hf"] = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+        rec["argmax_agree_vs_hf"] = float(np.mean(ours.argmax(-1) == ref.argmax(-1)))
+        if model.backend.is_gpu:
+            fp32 = load_model(model_dir, "numpy", model.max_context).logits(ids)
+            rec["hf_bf16_rel_err_vs_numpy_fp32"] = float(np.linalg.norm(ref - fp32) / np.linalg.norm(fp32))
+    emit(rec)
+
+
+def scenario_prefill(args, setup, model, hf):
+    from engine.model import ForwardBatch
+    rng = np.random.default_rng(1)
+    ids = random_prompt(rng, args.prompt_len, model.config.vocab_size)
+    for last_only in (True, False):
+        batch = ForwardBatch.single(ids, logits_rows=[len(ids) - 1] if last_only else None)
+        for _ in range(2):
+            model.forward(batch)
+        sync(model.backend)
+        reps = 5 if model.backend.is_gpu else 1
+        t = time.perf_counter()
+        for _ in range(reps):
+            model.forward(batch)
+        sync(model.backend)
+        sec = (time.perf_counter() - t) / reps
+        rec = {**setup, "scenario": "prefill", "prompt_len": len(ids), "logits": "last" if last_only else "all",
+               "ms": round(sec * 1e3, 2), "tok_per_s": round(len(ids) / sec, 1)}
+        if hf is not None:
+            hs = hf.prefill_seconds(ids, last_only)
+            rec.update(hf_ms=round(hs * 1e3, 2), ratio_vs_hf=round(sec / hs, 3))
+        emit(rec)
+
+
+def scenario_decode(args, setup, model, hf, ceiling_gbps):
+    from engine.generate import ChatSession
+    from engine.sampling import SamplingParams
+    rng = np.random.default_rng(2)
+    ids = random_prompt(rng, args.prompt_len, model.config.vocab_size)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    session = ChatSession(model)
+    list(session.stream(ids, SamplingParams(max_new_tokens=4, ignore_eos=True)))     # warm-up
+    session.reset()
+    stamps = []
+    t0 = time.perf_counter()
+    for _ in session.stream(ids, params):
+        stamps.append(time.perf_counter())
+    prefill_s = stamps[0] - t0
+    decode_s = stamps[-1] - stamps[0]
+    n_decode = len(stamps) - 1
+    cfg = model.config
+    bytes_per_value = 2 if model.backend.is_gpu else 4
+    weight_bytes = cfg.num_parameters() * bytes_per_value
+    avg_ctx = args.prompt_len + n_decode / 2
+    kv_bytes = avg_ctx * cfg.kv_bytes_per_token(bytes_per_value)
+    step = decode_s / max(n_decode, 1)
+    rec = {**setup, "scenario": "decode", "batch": 1, "prompt_len": len(ids), "new_tokens": len(stamps),
+           "prefill_ms": round(prefill_s * 1e3, 2), "decode_tok_per_s": round(n_decode / decode_s, 1),
+           "ms_per_token": round(step * 1e3, 3), "bytes_per_step_gb": round((weight_bytes + kv_bytes) / 1e9, 3),
+           "achieved_gbps": round((weight_bytes + kv_bytes) / step / 1e9, 1),
+           "ceiling_copy_gbps": round(ceiling_gbps, 1),
+           "floor_tok_per_s": round(ceiling_gbps * 1e9 / (weight_bytes + kv_bytes), 1)}
+    if hf is not None:
+        for static in ([False, True] if model.backend.is_gpu else [False]):
+            try:
+                total = hf.generate_seconds([ids], args.new_tokens, static_cache=static)
+                hf_pre = hf.prefill_seconds(ids, last_only=True)
+                key = "hf_static_cache" if static else "hf"
+                rec[f"{key}_decode_tok_per_s"] = round((args.new_tokens - 1) / max(total - hf_pre, 1e-9), 1)
+            except Exception as exc:   # an optional peer: report, don't die
+                rec[f"hf_error{'_static' if static else ''}"] = f"{type(exc).__name__}: {exc}"[:200]
+        if "hf_decode_tok_per_s" in rec:
+            rec["speedup_vs_hf"] = round(rec["decode_tok_per_s"] / rec["hf_decode_tok_per_s"], 2)
+    emit(rec)
+
+
+def scenario_serve(args, setup, model_dir, backend, hf):
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    cfg = load_config(model_dir)
+    rng = np.random.default_rng(args.seed)
+    prompts = [random_prompt(rng, int(rng.integers(args.min_len, args.max_len + 1)), cfg.vocab_size)
+               for _ in range(args.requests)]
+    outs = [int(rng.integers(args.min_len, args.max_len + 1)) for _ in range(args.requests)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs]
+    useful = sum(outs)
+    base = {**setup, "scenario": "serve", "requests": args.requests, "len_range": [args.min_len, args.max_len],
+            "output_tokens": useful}
+    for mode in args.serve_modes:
+        batching, kv = mode.split("+")
+        llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
+                  max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs)
+        llm.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))   # warm-up (compile kernels)
+        sync(backend)
+        t = time.perf_counter()
+        results = llm.generate(prompts, params)
+        sync(backend)
+        sec = time.perf_counter() - t
+        assert sum(len(r.token_ids) for r in results) == useful
+        log = llm.last_step_log
+        decode_rows = [s["rows"] for s in log if s["kind"] == "decode"]
+        emit({**base, "mode": mode, "seconds": round(sec, 2), "output_tok_per_s": round(useful / sec, 1),
+              "steps": len(log), "max_running": max(s["running"] for s in log),
+              "mean_decode_rows": round(float(np.mean(decode_rows)), 1) if decode_rows else 0,
+              "preemptions": sum(len(s["preempted"]) for s in log),
+              "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1), "max_seqs": llm.max_seqs})
+        del llm
+        if backend.is_gpu:
+            backend.xp.get_default_memory_pool().free_all_blocks()
+    if hf is not None:
+        try:
+            sec = hf.generate_seconds(prompts, max(outs))
+            emit({**base, "mode": "transformers generate (padded batch)", "seconds": round(sec, 2),
+                  "output_tok_per_s": round(useful / sec, 1), "max_running": args.requests,
+                  "note": "one padded batch; every row generates max(output lengths) tokens, only the requested ones count"})
+        except Exception as exc:
+            emit({**base, "mode": "transformers", "error": f"{type(exc).__name__}: {exc}"[:300]})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="model directory (default: the embedded default model)")
+    src.add_argument("--preset", default=None, help="random weights of a preset shape (e.g. llama-3.2-1b)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS)
+    ap.add_argument("--scenario", nargs="+", default=["decode"], choices=SCENARIOS)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--parity-len", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=100)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seqs", type=int, default=None)
+    ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size for serve")
+    ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+contiguous", "static+contiguous"])
+    ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
+    args = ap.parse_args(argv)
+
+    from engine.model import load_model
+    backend = resolve_backend(args.backend)
+    if args.preset:
+        from engine.random_model import write_random_model
+        model_dir = write_random_model(Path(tempfile.mkdtemp(prefix="bench-")) / args.preset, args.preset)
+    elif args.model:
+        model_dir = Path(args.model)
+    else:
+        from engine.default_model import ensure_default_model
+        model_dir = ensure_default_model()
+    cfg = load_config(model_dir)
+    setup = {"model": args.preset or Path(model_dir).name, "params_m": round(cfg.num_parameters() / 1e6, 1),
+             "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+             "kv_heads": cfg.num_key_value_heads, "backend": backend.name, "device": device_name(backend)}
+    ceiling = copy_bandwidth(backend)
+    emit({**setup, "scenario": "setup", "copy_gbps": round(ceiling, 1), "python": platform.python_version(),
+          "numpy": np.__version__})
+    hf = HFPeer(model_dir, backend.is_gpu) if args.hf else None
+    if hf is not None:
+        setup["hf_version"] = hf.version
+    needs_model = set(args.scenario) & {"parity", "prefill", "decode"}
+    model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8)) if needs_model else None
+    if "parity" in args.scenario:
+        scenario_parity(args, setup, model, model_dir, hf)
+    if "prefill" in args.scenario:
+        scenario_prefill(args, setup, model, hf)
+    if "decode" in args.scenario:
+        scenario_decode(args, setup, model, hf, ceiling)
+    if "serve" in args.scenario:
+        del model
+        scenario_serve(args, setup, model_dir, backend, hf)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""`python -m engine.kernel_bench`: every CUDA kernel checked against its NumPy reference, then timed.
+
+In the style of llm.c's dev/cuda: fresh random inputs of awkward shapes (not powers of two, GQA
+ratios 1, 3, 4, 8), outputs poisoned before each run (NaN bits: an unwritten element fails the
+check), relative error ||out - ref|| / ||ref|| against a float32/float64 reference computed from the
+same bf16-rounded inputs, then CUDA-event timing after warm-up (median of many runs) and the
+achieved bandwidth next to the device's measured copy bandwidth. Prints a table, writes JSON lines.
+
+    python -m engine.kernel_bench [--json out.jsonl] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from engine.backend import bf16_to_f32, f32_to_bf16, matmul, resolve_backend
+
+BF16_TOL = 1e-2      # bf16 operands (8 significant bits), fp32 accumulation
+F32_TOL = 1e-5
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+class Bench:
+    def __init__(self, quick: bool):
+        self.backend = resolve_backend("cupy")
+        import cupy as cp
+        self.cp = cp
+        self.rng = np.random.default_rng(1234)
+        self.quick = quick
+        self.rows: list[dict] = []
+        self.copy_gbps = self.measure_copy_bandwidth()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def bf16(self, *shape, scale=1.0):
+        """(device bf16 bits, host float32 values of exactly those bits)."""
+        host = f32_to_bf16(self.rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+        return self.cp.asarray(host), bf16_to_f32(host)
+
+    def f32(self, *shape, scale=1.0):
+        host = (self.rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+        return self.cp.asarray(host), host
+
+    def poisoned(self):
+        """Context manager: every device allocation inside it starts as 0xFF bytes (NaN in bf16 and
+        fp32, -1 in int32), so an output element a kernel forgets to write fails the check."""
+        import contextlib
+        cp = self.cp
+        pool = cp.get_default_memory_pool()
+
+        def alloc(size):
+            mem = pool.malloc(size)
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cp.cuda.get_current_stream().ptr)
+            return mem
+
+        @contextlib.contextmanager
+        def ctx():
+            cp.cuda.set_allocator(alloc)
+            try:
+                yield
+            finally:
+                cp.cuda.set_allocator(pool.malloc)
+        return ctx()
+
+    def time_ms(self, fn, reps: int | None = None) -> float:
+        cp = self.cp
+        reps = reps or (5 if self.quick else 30)
+        for _ in range(3):
+            fn()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end))
+        return float(np.median(times))
+
+    def measure_copy_bandwidth(self) -> float:
+        """Device-to-device copy of 2 GiB, counting bytes read + written."""
+        cp = self.cp
+        n = 2**29
+        a, b = cp.ones(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)
+        ms = self.time_ms(lambda: b.__setitem__(slice(None), a), reps=10)
+        del a, b
+        return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+    def record(self, kernel, shape, err, tol, ms=None, nbytes=None, flops=None, note=""):
+        row = {"kernel": kernel, "shape": shape, "rel_err": err, "tol": tol, "ok": bool(err <= tol)}
+        if ms is not None:
+            row["ms"] = round(ms, 4)
+        if nbytes is not None and ms:
+            row["gbps"] = round(nbytes / (ms * 1e-3) / 1e9, 1)
+            row["pct_of_copy"] = round(100 * row["gbps"] / self.copy_gbps, 1)
+        if flops is not None and ms:
+            row["tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+        if note:
+            row["note"] = note
+        self.rows.append(row)
+
+    # -- kernels ------------------------------------------------------------------------------
+    def embedding(self):
+        from engine.ops.embedding import embedding, embedding_ref
+        for V, H, T in [(1001, 577, 37), (128256, 2048, 2047)]:
+            table, table_h = self.bf16(V, H)
+            ids_h = self.rng.integers(0, V, T).astype(np.int32)
+            ids = self.cp.asarray(ids_h)
+            with self.poisoned():
+                out = embedding(ids, table)
+            ms = self.time_ms(lambda: embedding(ids, table))
+            self.record("embedding_gather", f"V={V} H={H} T={T}", rel_err(out.get(), embedding_ref(ids_h, table_h)),
+                        F32_TOL, ms, T * H * (2 + 4))
+
+    def rmsnorm(self):
+        from engine.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+        for T, H in [(3, 577), (2047, 2048)]:
+            x, x_h = self.f32(T, H, scale=3)
+            w, w_h = self.f32(H)
+            with self.poisoned():
+                out = rmsnorm(x, w, 1e-5)
+            ms = self.time_ms(lambda: rmsnorm(x, w, 1e-5))
+            self.record("rmsnorm", f"T={T} H={H}", rel_err(bf16_to_f32(out.get()), rmsnorm_ref(x_h, w_h, 1e-5)),
+                        BF16_TOL / 2, ms, T * H * (4 + 2))
+            d, d_h = self.f32(T, H)
+            res_h = x_h.copy()
+            with self.poisoned():
+                out = add_rmsnorm(x, d, w, 1e-5)
+            ref = add_rmsnorm_ref(res_h, d_h, w_h, 1e-5)
+            err = max(rel_err(bf16_to_f32(out.get()), ref), rel_err(x.get(), res_h) / BF16_TOL * F32_TOL)
+            ms = self.time_ms(lambda: add_rmsnorm(x, d, w, 1e-5))   # keeps adding d: fine for timing
+            self.record("add_rmsnorm", f"T={T} H={H}", err, BF16_TOL / 2, ms, T * H * (4 * 3 + 2))
+
+    def rope(self):
+        from engine.config import config_from_dict
+        from engine.ops.rope import rope_qkv, rope_tables
+        from engine.random_model import PRESETS
+        for preset, T in [("tiny", 45), ("llama-3.2-1b", 2047)]:
+            cfg = config_from_dict(PRESETS[preset])
+            cos_h, sin_h = rope_tables(cfg, 4096)
+            cos, sin = self.cp.asarray(cos_h), self.cp.asarray(sin_h)
+            qkv, qkv_h = self.f32(T, cfg.qkv_dim)
+            pos_h = self.rng.integers(0, 4096, T).astype(np.int32)
+            pos = self.cp.asarray(pos_h)
+            with self.poisoned():
+                out = rope_qkv(qkv, pos, cos, sin, cfg)
+            ref = rope_qkv(qkv_h, pos_h, cos_h, sin_h, cfg)
+            ms = self.time_ms(lambda: rope_qkv(qkv, pos, cos, sin, cfg))
+            self.record("rope_qkv", f"{preset} T={T}", rel_err(bf16_to_f32(out.get()), ref), BF16_TOL / 2, ms,
+                        T * cfg.qkv_dim * (4 + 2))
+
+    def linear(self):
+        for M, N, K in [(37, 1001, 577), (2047, 3072, 2048), (2048, 8192 * 2, 2048)]:
+            x, x_h = self.bf16(M, K)
+            w, w_h = self.bf16(N, K, scale=K ** -0.5)
+            out = self.cp.full((M, N), np.nan, dtype=self.cp.float32)
+            matmul(x, w, out, trans_b=True)
+            ref = x_h.astype(np.float64) @ w_h.astype(np.float64).T
+            ms = self.time_ms(lambda: matmul(x, w, out, trans_b=True))
+            self.record("gemmEx bf16->fp32", f"M={M} N={N} K={K}", rel_err(out.get(), ref), 1e-5, ms,
+                        2 * (M * K + N * K) + 4 * M * N, flops=2 * M * N * K)
+            out16 = self.cp.full((M, N), 0xFFFF, dtype=self.cp.uint16)
+            matmul(x, w, out16, trans_b=True)
+            self.record("gemmEx bf16->bf16", f"M={M} N={N} K={K}", rel_err(bf16_to_f32(out16.get()), ref), BF16_TOL / 2)
+
+    def swiglu(self):
+        from engine.ops.mlp import swiglu, swiglu_ref
+        for T, I in [(5, 137), (2047, 8192)]:
+            gu, gu_h = self.f32(T, 2 * I, scale=2)
+            with self.poisoned():
+                out = swiglu(gu)
+            ms = self.time_ms(lambda: swiglu(gu))
+            self.record("swiglu", f"T={T} I={I}", rel_err(bf16_to_f32(out.get()), swiglu_ref(gu_h)), BF16_TOL / 2, ms,
+                        T * I * (8 + 2))
+
+    def argmax(self):
+        from engine.ops.argmax import argmax_rows
+        for R, V in [(3, 1001), (64, 128256)]:
+            lg, lg_h = self.f32(R, V)
+            lg_h[0, 17] = lg_h[0, 500] = 1e4    # a tie: the first index must win
+            lg = self.cp.asarray(lg_h)
+            with self.poisoned():
+                out = argmax_rows(lg).get()
+            err = float(np.mean(out != np.argmax(lg_h, axis=-1)))
+            ms = self.time_ms(lambda: argmax_rows(lg))
+            self.record("argmax_rows", f"R={R} V={V}", err, 0.0, ms, R * V * 4)
+
+    def prefill_attention(self):
+        from engine.config import config_from_dict
+        from engine.ops.attention import causal_attention_ref, prefill_attention, split_qkv
+        for Hq, Hkv, D, lens in [(6, 2, 16, [13, 1, 40]), (8, 8, 64, [77]), (12, 3, 32, [129, 5]),
+                                 (32, 8, 64, [2048])]:
+            cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D,
+                                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
+                                    "num_key_value_heads": Hkv, "head_dim": D})
+            T = sum(lens)
+            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            qkv, qkv_h = self.bf16(T, cfg.qkv_dim)
+            with self.poisoned():
+                out = prefill_attention(qkv, cu, cfg)
+            q, k, v = split_qkv(qkv_h, cfg)
+            ref = np.concatenate([causal_attention_ref(q[a:b], k[a:b], v[a:b], D ** -0.5).reshape(b - a, -1)
+                                  for a, b in zip(cu[:-1], cu[1:])])
+            ms = self.time_ms(lambda: prefill_attention(qkv, cu, cfg), reps=10) if T >= 2048 else None
+            self.record("prefill_attention (cuBLAS+causal_softmax)", f"Hq={Hq} Hkv={Hkv} D={D} lens={lens}",
+                        rel_err(bf16_to_f32(out.get()), ref), BF16_TOL, ms,
+                        flops=4 * Hq * T * T * D if ms else None)
+
+    def paged(self):
+        from engine.config import config_from_dict
+        from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, paged_attention_ref
+        from engine.ops.attention import split_qkv
+        cp = self.cp
+        cases = [(4, 4, 64, [1, 17, 33, 100], 16, None), (32, 8, 64, [5, 300, 1000], 16, None),
+                 (16, 2, 128, [64, 257], 16, 3), (8, 1, 32, [31, 16, 2], 7, None), (12, 3, 64, [500], 16, 5),
+                 (32, 8, 64, [2048] * 64, 16, None), (32, 8, 64, [2048] * 4, 16, None)]
+        for Hq, Hkv, D, ctxs, BS, splits in cases:
+            cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D,
+                                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
+                                    "num_key_value_heads": Hkv, "head_dim": D})
+            S = len(ctxs)
+            mb = max((c + BS - 1) // BS for c in ctxs)
+            NB = S * mb + 3
+            perm = self.rng.permutation(NB).astype(np.int32)           # shuffled, non-contiguous pages
+            tables_h = np.full((S, mb), -1, dtype=np.int32)
+            for s, c in enumerate(ctxs):
+                n = (c + BS - 1) // BS
+                tables_h[s, :n] = perm[s * mb:s * mb + n]
+            kc, kc_h = self.bf16(NB, BS, Hkv, D)
+            vc, vc_h = self.bf16(NB, BS, Hkv, D)
+            qkv, qkv_h = self.bf16(S, cfg.qkv_dim)                     # one decode row per sequence
+            pos_h = np.array(ctxs, dtype=np.int32) - 1
+            seq_h = np.arange(S, dtype=np.int32)
+            args = (cp.asarray(tables_h), cp.asarray(seq_h), cp.asarray(pos_h))
+            big = S * max(ctxs) >= 8192
+            ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h, D ** -0.5)
+            for sp in ([1, splits] if splits else [None]):
+                with self.poisoned():
+                    out = paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp)
+                err = rel_err(bf16_to_f32(out.get()), ref) if ref is not None else \
+                    self._paged_spot_check(out, qkv_h, kc_h, vc_h, tables_h, seq_h, pos_h, cfg)
+                ms = self.time_ms(lambda: paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp))
+                kv_bytes = sum(ctxs) * Hkv * D * 2 * 2
+                self.record("paged_attention decode", f"Hq={Hq} Hkv={Hkv} D={D} BS={BS} ctx={_short(ctxs)} splits={sp or 'auto'}",
+                            err, BF16_TOL, ms, kv_bytes)
+        # kv_write into shuffled slots
+        cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 2048, "intermediate_size": 8,
+                                "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64})
+        T, NB, BS = 2047, 200, 16
+        qkv, qkv_h = self.bf16(T, cfg.qkv_dim)
+        slots_h = self.rng.permutation(NB * BS)[:T].astype(np.int32)
+        kc = cp.full((NB, BS, 8, 64), 0xFFFF, dtype=cp.uint16)
+        vc = cp.full((NB, BS, 8, 64), 0xFFFF, dtype=cp.uint16)
+        slots = cp.asarray(slots_h)
+        kv_write(qkv, slots, kc, vc, cfg)
+        kc_h, vc_h = np.full((NB, BS, 8, 64), np.nan, np.float32), np.full((NB, BS, 8, 64), np.nan, np.float32)
+        _, k, v = split_qkv(qkv_h, cfg)
+        kv_write_ref(k, v, kc_h, vc_h, slots_h)
+        got_k, got_v = bf16_to_f32(kc.get()), bf16_to_f32(vc.get())
+        written = ~np.isnan(kc_h)
+        err = max(rel_err(got_k[written], kc_h[written]), rel_err(got_v[written], vc_h[written]))
+        ms = self.time_ms(lambda: kv_write(qkv, slots, kc, vc, cfg))
+        self.record("kv_write", f"T={T} slots shuffled", err, 0.0, ms, T * cfg.kv_dim * 2 * 2 * 2)
+
+    def _paged_spot_check(self, out, qkv_h, kc_h, vc_h, tables_h, seq_h, pos_h, cfg):
+        """For the large timing cases: check a few rows against the reference."""
+        from engine.ops.attention import split_qkv
+        from engine.ops.paged_attention import paged_attention_ref
+        rows = np.unique(self.rng.integers(0, len(seq_h), 3))
+        q = split_qkv(qkv_h, cfg)[0][rows]
+        ref = paged_attention_ref(q, kc_h, vc_h, tables_h, seq_h[rows], pos_h[rows], cfg.head_dim ** -0.5)
+        return rel_err(bf16_to_f32(out.get())[rows], ref.reshape(len(rows), -1))
+
+    def sampling(self):
+        from engine.sampling import SamplingParams, sample, sample_ref
+        for R, V in [(6, 1001), (64, 128256)]:
+            lg, lg_h = self.f32(R, V, scale=3)
+            knobs = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (0.8, 0, 0.9), (1.2, 40, 0.8), (0.5, 1, 1.0)]
+            params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in (knobs * R)[:R]]
+            u = self.rng.random(R).tolist()
+            with self.poisoned():
+                got = sample(lg, params, u)
+            ref = np.array([sample_ref(lg_h[r], p.temperature, p.top_k, p.top_p, u[r]) for r, p in enumerate(params)])
+            ms = self.time_ms(lambda: sample(lg, params, u), reps=10)
+            self.record("sample_rows", f"R={R} V={V} mixed knobs", float(np.mean(got != ref)), 0.02, ms, R * V * 4,
+                        note="mismatch rate vs reference (fp32 reduction order may move a boundary)")
+
+    def run(self, which):
+        for name in which:
+            getattr(self, name)()
+
+
+def _short(ctxs):
+    return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 and len(ctxs) > 4 else str(ctxs)
+
+
+ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "paged", "sampling"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write one JSON line per check to this file")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*", default=ALL, choices=ALL)
+    args = ap.parse_args(argv)
+    b = Bench(args.quick)
+    from engine.backend import gpu_name
+    print(f"device: {gpu_name()}, measured copy bandwidth {b.copy_gbps:.0f} GB/s (read + write)")
+    failures = []
+    for name in args.only:
+        try:
+            b.run([name])
+        except Exception as exc:   # report and keep going: one broken kernel should not hide the rest
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"[ERROR] {failures[-1]}", file=sys.stderr)
+    print(f"{'kernel':<42} {'shape':<52} {'rel_err':>9} {'ok':>3} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'TF/s':>6}")
+    for r in b.rows:
+        print(f"{r['kernel']:<42} {r['shape'][:52]:<52} {r['rel_err']:>9.2e} {'ok' if r['ok'] else 'NO':>3} "
+              f"{r.get('ms', ''):>8} {r.get('gbps', ''):>7} {r.get('pct_of_copy', ''):>6} {r.get('tflops', ''):>6}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps({"device": gpu_name(), "copy_gbps": b.copy_gbps}) + "\n")
+            for r in b.rows:
+                f.write(json.dumps(r) + "\n")
+    bad = [r for r in b.rows if not r["ok"]]
+    return 1 if bad or failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
