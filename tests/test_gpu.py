@@ -1,0 +1,73 @@
+"""GPU checks (run on a CUDA machine; skipped elsewhere with the reason).
+
+The kernels one by one are checked by `python -m engine.kernel_bench`; here the whole model:
+the CuPy backend against the NumPy backend on the same weights, and every serving path on the GPU.
+"""
+import numpy as np
+import pytest
+
+from engine.backend import cupy_unavailable_reason
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
+
+PRESETS = ["tiny", "tiny-mha-untied", "tiny-mqa", "smollm2-135m"]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def model_dir(request, tmp_path_factory):
+    from engine.random_model import write_random_model
+    return write_random_model(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_cupy_logits_match_numpy(model_dir):
+    import engine
+    ids = np.random.default_rng(0).integers(0, 200, 50)
+    ref = engine.load_model(model_dir, backend="numpy").logits(ids)
+    got = engine.load_model(model_dir, backend="cupy").logits(ids)
+    assert rel(got, ref) < 2e-2
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) > 0.95
+
+
+def test_cached_decode_matches_recompute_on_gpu(model_dir):
+    """Logits of a cached decode step (paged kernel) vs a full recomputation (cuBLAS path)."""
+    import engine
+    from engine.generate import ChatSession
+    m = engine.load_model(model_dir, backend="cupy", max_context=256)
+    ids = list(np.random.default_rng(1).integers(0, 200, 40))
+    toks = list(ChatSession(m).stream(ids, engine.SamplingParams(max_new_tokens=12, ignore_eos=True)))
+    full = m.logits(ids + toks[:-1])
+    # each generated token is (near-)greedy under full recomputation: within bf16, allow near-ties
+    for i, t in enumerate(toks):
+        row = full[len(ids) - 1 + i]
+        assert row[t] >= row.max() - 0.05 * (row.max() - row.mean()), (i, t, int(row.argmax()))
+
+
+def test_serving_paths_agree_on_gpu(model_dir):
+    import engine
+    from engine.llm import LLM
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(3, 200, n)) for n in (5, 33, 17, 64, 9)]
+    params = [engine.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 3, 12, 6, 10)]
+    outs = {}
+    for batching in ("continuous", "static"):
+        for kv in ("paged", "contiguous"):
+            llm = LLM(model_dir, backend="cupy", batching=batching, kv_cache=kv, max_context=128, max_seqs=3)
+            outs[batching, kv] = [r.token_ids for r in llm.generate(prompts, params)]
+    ref = outs["continuous", "paged"]
+    agree = np.mean([a == b for v in outs.values() for a, b in zip(v, ref)])
+    assert agree >= 0.8, outs   # bf16: packed vs single prefill may flip a near-tie; report, don't hide
+
+
+def test_seeded_sampling_reproducible_on_gpu(model_dir):
+    import engine
+    from engine.llm import LLM
+    llm = LLM(model_dir, backend="cupy", max_context=128, max_seqs=4)
+    p = engine.SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    a = llm.generate([[5, 6, 7, 8]] * 3, p)
+    b = llm.generate([[5, 6, 7, 8]] * 3, p)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
