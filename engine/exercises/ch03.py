@@ -1,0 +1,149 @@
+"""Chapter 03 exercises: the embedding gather.
+
+`run_array_checks` is the checker loop for exercises whose answer is an array (chapters 03-07): it
+compares with the engine's result within a tolerance and, when the answer is wrong in a way we have
+seen before, names the likely mistake.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from engine.exercises.ch00 import run_checks
+from engine.ops.embedding import embedding_ref
+
+Hint = tuple[str, Callable]   # (what the mistake is, a function computing the mistaken answer)
+
+
+def describe(args: Sequence) -> str:
+    """Short description of a call's arguments: arrays by dtype and shape, the rest by value."""
+    parts = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            parts.append(f"{a.dtype}{list(a.shape)}")
+        elif hasattr(a, "__dataclass_fields__"):
+            parts.append(type(a).__name__)
+        else:
+            parts.append(repr(a))
+    return "(" + ", ".join(parts) + ")"
+
+
+def _close(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=rtol, atol=atol))
+
+
+def compare_array(title: str, call: str, got, want: np.ndarray, rtol: float, atol: float,
+                  hints: Iterable[tuple[str, np.ndarray]] = ()) -> bool:
+    """Print why `got` is not `want` (shape, NaN, values + the matching hint) and return False, else True."""
+    try:
+        got = np.asarray(got, dtype=np.float64 if want.dtype.kind == "f" else want.dtype)
+    except (TypeError, ValueError) as e:
+        print(f"[x] {title}: {call} returned something that is not an array of numbers ({e})")
+        return False
+    if got.shape != want.shape:
+        print(f"[x] {title}: {call} returned shape {got.shape}, expected {want.shape}")
+        return False
+    if _close(got, want, rtol, atol):
+        return True
+    if want.dtype.kind == "f" and not np.all(np.isfinite(got)) and np.all(np.isfinite(want)):
+        reason = f"contains {int(np.sum(~np.isfinite(got)))} NaN/inf value(s)"
+    else:
+        with np.errstate(invalid="ignore"):
+            err = np.abs(got - want.astype(np.float64))
+        i = np.unravel_index(int(np.nanargmax(err)), err.shape) if np.any(np.isfinite(err)) else (0,) * got.ndim
+        reason = f"is wrong: at index {tuple(int(j) for j in i)} got {got[i]:.6g}, expected {want[i]:.6g}"
+    for text, wrong in hints:
+        if _close(got, np.asarray(wrong, dtype=np.float64), rtol, atol):
+            reason += f" -- it looks like {text}"
+            break
+    print(f"[x] {title}: the result of {call} {reason}")
+    return False
+
+
+def run_array_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, np.ndarray]], *,
+                     rtol: float = 1e-5, atol: float = 1e-6, hints: Sequence[Hint] = ()) -> bool:
+    """Call fn(*args) on a copy of each case's arguments, compare with the expected array, print
+    one verdict line; True when every case passes. `hints` name common mistakes."""
+    count = 0
+    for args, want in cases:
+        call = f"{getattr(fn, '__name__', 'fn')}{describe(args)}"
+        try:
+            got = fn(*copy.deepcopy(args))
+        except NotImplementedError:
+            print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
+            return False
+        except Exception as e:  # the learner's bug, shown rather than raised
+            print(f"[x] {title}: {call} raised {type(e).__name__}: {e}")
+            return False
+        with np.errstate(all="ignore"):
+            wrong_answers = [(text, wrong(*copy.deepcopy(args))) for text, wrong in hints]
+        if not compare_array(title, call, got, want, rtol, atol, wrong_answers):
+            return False
+        count += 1
+    print(f"[OK] {title}: " + ("the case passes" if count == 1 else f"all {count} cases pass"))
+    return True
+
+
+# ----------------------------------------------------------------------------- the gather
+
+def _tables(seed: int):
+    """(ids, table) pairs: odd sizes, repeated ids, the first and last row, a single token."""
+    rng = np.random.default_rng(seed)
+    for V, H, T in ((11, 8, 5), (397, 72, 17), (50, 33, 1), (1000, 64, 64), (7, 5, 20)):
+        table = rng.standard_normal((V, H), dtype=np.float32)
+        ids = rng.integers(0, V, T).astype(np.int32)
+        ids[0] = V - 1
+        if T > 2:
+            ids[1], ids[2] = 0, ids[0]        # the last row twice
+        yield ids, table
+
+
+def check_embedding(fn: Callable) -> bool:
+    """fn(ids [T] int, table [V, H] float32) -> [T, H]: row ids[t] of the table for each token."""
+    cases = [((ids, table), embedding_ref(ids, table)) for ids, table in _tables(0)]
+    hints = [("an off-by-one: token ids start at 0, row 0 is token 0", lambda ids, table: table[ids - 1])]
+    return run_array_checks("embedding", fn, cases, rtol=0, atol=0, hints=hints)
+
+
+def check_one_hot(fn: Callable) -> bool:
+    """fn(ids [T], vocab_size) -> float32 [T, V] with a single 1 per row, at column ids[t]."""
+    cases = [((ids, table.shape[0]), np.eye(table.shape[0], dtype=np.float32)[ids]) for ids, table in _tables(1)]
+    return run_array_checks("one_hot", fn, cases, rtol=0, atol=0)
+
+
+def cosine_similarity_ref(rows: np.ndarray) -> np.ndarray:
+    unit = rows / np.linalg.norm(rows, axis=-1, keepdims=True)
+    return unit @ unit.T
+
+
+def check_cosine_similarity(fn: Callable) -> bool:
+    """fn(rows [n, H]) -> [n, n]: cos of the angle between every pair of rows."""
+    rng = np.random.default_rng(2)
+    cases = []
+    for n, H in ((2, 3), (5, 8), (13, 576), (1, 4)):
+        rows = rng.standard_normal((n, H), dtype=np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
+        cases.append(((rows,), cosine_similarity_ref(rows)))
+    parallel = np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [-1.0, -2.0, -3.0]], dtype=np.float32)
+    cases.append(((parallel,), cosine_similarity_ref(parallel)))
+    hints = [("you forgot to divide by the norms (plain dot products)", lambda rows: rows @ rows.T)]
+    return run_array_checks("cosine_similarity", fn, cases, rtol=1e-4, atol=1e-5, hints=hints)
+
+
+# ----------------------------------------------------------------------------- the kernel's layout
+
+def gather_thread_indices_ref(t: int, thread: int, H: int, threads: int) -> list[int]:
+    """Flat indices of out[T, H] that thread `thread` of block `t` writes in embedding.cu, in order."""
+    row = t * H
+    if H % 2:
+        return [row + i for i in range(thread, H, threads)]
+    return [row + 2 * i + k for i in range(thread, H // 2, threads) for k in (0, 1)]
+
+
+def check_gather_thread_indices(fn: Callable[[int, int, int, int], list]) -> bool:
+    """fn(t, thread, H, threads) -> the flat indices of out that this thread writes, in order."""
+    cases = [((t, thread, H, threads), gather_thread_indices_ref(t, thread, H, threads))
+             for H, threads in ((576, 128), (2048, 128), (72, 128), (33, 32), (7, 32), (300, 64))
+             for t in (0, 3) for thread in sorted({0, 1, 31, threads - 1})]
+    return run_checks("gather_thread_indices", fn, cases, same=lambda got, want: list(got) == want)
