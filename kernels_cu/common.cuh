@@ -5,6 +5,10 @@
 
 typedef __nv_bfloat16 bf16;
 
+#ifndef INFINITY   // NVRTC has no <math.h>: spell +inf by its bits
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 __device__ __forceinline__ float bf2f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 f2bf(float x) { return __float2bfloat16_rn(x); }  // round to nearest even
 

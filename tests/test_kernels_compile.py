@@ -1,0 +1,76 @@
+"""Every kernels_cu/*.cu compiles, without a GPU.
+
+With NVRTC (the compiler CuPy uses at run time) when libnvrtc and the CUDA headers are found: NVRTC
+has no host headers, so this catches what nvcc would forgive. Otherwise with `nvcc -ptx`.
+The paged-attention kernel is compiled for every HEAD_DIM/GROUP the engine specializes it for.
+"""
+import ctypes
+import ctypes.util
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
+SOURCES = sorted(KERNELS.glob("*.cu"))
+VARIANTS = {"paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g} for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)]}
+
+
+def _find_nvrtc():
+    candidates = [ctypes.util.find_library("nvrtc")]
+    for site in sys.path:
+        candidates += glob.glob(os.path.join(site, "nvidia", "cu1*", "lib", "libnvrtc.so.*"))
+        candidates += glob.glob(os.path.join(site, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*"))
+    for c in candidates:
+        if c and "builtins" not in c:
+            try:
+                return ctypes.CDLL(c)
+            except OSError:
+                continue
+    return None
+
+
+def _cuda_include():
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and Path(root, "include", "cuda_bf16.h").is_file():
+            return str(Path(root, "include"))
+    return None
+
+
+NVRTC, INCLUDE, NVCC = _find_nvrtc(), _cuda_include(), shutil.which("nvcc")
+
+
+def nvrtc_compile(source: Path, defines: dict) -> str:
+    """'' on success, else NVRTC's log."""
+    prog = ctypes.c_void_p()
+    src = source.read_text().encode()
+    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), src, source.name.encode(), 0, None, None) == 0
+    opts = [b"-std=c++17", b"--gpu-architecture=compute_90", f"-I{KERNELS}".encode(), f"-I{INCLUDE}".encode()]
+    opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    status = NVRTC.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    NVRTC.nvrtcGetProgramLog(prog, log)
+    NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+    return "" if status == 0 else log.value.decode(errors="replace")
+
+
+CASES = [(s, d) for s in SOURCES for d in VARIANTS.get(s.name, [{}])]
+
+
+@pytest.mark.skipif(not ((NVRTC and INCLUDE) or NVCC), reason="neither NVRTC (+ CUDA headers) nor nvcc is available")
+@pytest.mark.parametrize("source,defines", CASES, ids=[f"{s.name}{d or ''}" for s, d in CASES])
+def test_kernel_compiles(source, defines):
+    if NVRTC and INCLUDE:
+        log = nvrtc_compile(source, defines)
+    else:
+        cmd = [NVCC, "-std=c++17", "-arch=sm_90", "-ptx", "-o", os.devnull, str(source)] + [f"-D{k}={v}" for k, v in defines.items()]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        log = "" if r.returncode == 0 else r.stderr
+    assert log == "", log
