@@ -168,13 +168,14 @@ def _pre_tokenizer_stages(spec: dict | None) -> list:
 # ---------------------------------------------------------------- BPE
 
 
-def bpe_merge(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]]) -> list[int]:
+def bpe_merge(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]], trace: list | None = None) -> list[int]:
     """Apply BPE merges to a word given as token ids; merges maps (left, right) -> (rank, merged id).
 
     Rule: merge the adjacent pair with the lowest rank, leftmost first on ties, until no pair has a
     rank. Done with a heap of candidate pairs over a linked list of symbols, O(n log n) instead of
     rescanning the word after each merge (a 10,000-byte word would take seconds otherwise). Entries
     whose symbols changed since they were pushed are stale and skipped when popped.
+    `trace`, when given, receives (rank, left id, right id, merged id) for each merge, in order.
     """
     n = len(ids)
     if n < 2:
@@ -198,6 +199,8 @@ def bpe_merge(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]]) ->
         current = merges.get((symbol[i], symbol[j]))
         if current is None or current[1] != merged:
             continue  # stale: a neighbour was merged away since this pair was pushed
+        if trace is not None:
+            trace.append((current[0], symbol[i], symbol[j], merged))
         symbol[i] = merged
         alive[j] = False
         k = nxt[j]
@@ -413,6 +416,28 @@ class Tokenizer:
         except KeyError:
             ids = self._initial_ids_with_missing_bytes(word)
         return tuple(bpe_merge(ids, self._merges))
+
+    def merge_steps(self, piece: str) -> list[tuple[int, str, str, list[str]]]:
+        """The merges BPE applies to one pre-token, in order: [(rank, left, right, symbols after)].
+
+        For teaching: Llama 3's ignore_merges shortcut is not taken here, so this shows how the merges
+        alone build the piece (the result can differ from encode() when the whole piece is a token)."""
+        word = piece.encode("utf-8").decode("latin-1").translate(_BYTE_TRANSLATION)
+        symbols = [c for c in word if c in self.vocab]
+        trace: list = []
+        bpe_merge([self.vocab[c] for c in symbols], self._merges, trace)
+        steps = []
+        for rank, left_id, right_id, _ in trace:
+            left, right = self._id_to_token[left_id], self._id_to_token[right_id]
+            # the merged occurrence is the leftmost one: equal ranks merge left to right
+            i = next(i for i in range(len(symbols) - 1) if symbols[i] == left and symbols[i + 1] == right)
+            symbols = symbols[:i] + [left + right] + symbols[i + 2:]
+            steps.append((rank, left, right, symbols))
+        return steps
+
+    def merge_ranks(self) -> dict[tuple[str, str], int]:
+        """The merge table as strings: {(left token, right token): rank}; a lower rank merges first."""
+        return {(self._id_to_token[a], self._id_to_token[b]): rank for (a, b), (rank, _) in self._merges.items()}
 
     def _initial_ids_with_missing_bytes(self, word: str) -> list[int]:
         ids, previous_unknown = [], False

@@ -446,3 +446,65 @@ def test_load_errors_are_clear(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="not valid JSON"):
         load_tokenizer(tmp_path)
+
+
+# ---------------------------------------------------------------- chapter 02 exercise checkers
+
+
+def _merge_lowest_rank(symbols, ranks):
+    symbols = list(symbols)
+    while len(symbols) > 1:
+        rank, i = min((ranks.get(pair, float("inf")), i) for i, pair in enumerate(zip(symbols, symbols[1:])))
+        if rank == float("inf"):
+            return symbols
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    return symbols
+
+
+def _merge_first_known_pair(symbols, ranks):  # the classic mistake: ignores the ranks' order
+    symbols = list(symbols)
+    while True:
+        known = [i for i, pair in enumerate(zip(symbols, symbols[1:])) if pair in ranks]
+        if not known:
+            return symbols
+        i = known[0]
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+
+
+def _printable_prefix(buffer: bytes) -> int:
+    for back in range(1, min(4, len(buffer)) + 1):
+        byte = buffer[-back]
+        if byte & 0xC0 != 0x80:  # a lead byte (or ASCII): does its sequence fit in what we have?
+            needed = 1 if byte < 0x80 else 2 if byte >> 5 == 6 else 3 if byte >> 4 == 14 else 4
+            return len(buffer) - back if needed > back else len(buffer)
+    return len(buffer)
+
+
+def test_exercise_checkers_accept_right_and_reject_wrong(llama3, capsys):
+    from engine.exercises import ch02
+
+    ours, _ = llama3
+    assert ch02.check_merge_loop(_merge_lowest_rank, ours)
+    assert not ch02.check_merge_loop(_merge_first_known_pair, ours)
+    assert ch02.check_printable_prefix(_printable_prefix)
+    assert not ch02.check_printable_prefix(len)
+    assert ch02.check_pretokens({text: ours.pre_tokenize(text) for text in ch02.SPLIT_PUZZLES}, ours)
+    assert not ch02.check_pretokens({text: [text] for text in ch02.SPLIT_PUZZLES}, ours)
+    assert not ch02.check_pretokens({}, ours)
+
+    def unsolved(*args):
+        raise NotImplementedError
+
+    assert not ch02.check_merge_loop(unsolved, ours)
+    out = capsys.readouterr().out
+    assert out.count("[OK]") == 3 and out.count("[x]") == 3 and out.count("[ ]") == 2
+    assert "why:" in out
+
+
+def test_merge_steps_replay_the_merges_encode_uses(smollm2_standin):
+    ours, _ = smollm2_standin  # no ignore_merges: encode uses exactly these merges
+    for text in CORPUS[::50]:
+        for piece in ours.pre_tokenize(text):
+            steps = ours.merge_steps(piece)
+            symbols = steps[-1][3] if steps else [ours.id_to_token(i) for i in ours.encode(piece)]
+            assert [ours.token_to_id(s) for s in symbols] == ours.encode(piece)
