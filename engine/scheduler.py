@@ -49,11 +49,12 @@ With a SlotAllocator a request's worst case is one slot, so both admissions beha
 Finishing. A sampled token finishes its request with reason "stop" if it is an eos token (unless
 params.ignore_eos); the eos token IS kept in the generated ids (as vLLM and HF do). Otherwise reason
 "length" once max_new_tokens tokens were generated or prompt + generated reaches max_context.
-Finished requests free their memory at once and wait in pop_finished().
+Finished requests free their memory at once and wait in pop_finished(). A request with
+max_new_tokens == 0 is finished by submit() itself ("length", no tokens) and never scheduled.
 
 Refusals (InvalidRequest, a ValueError, raised by submit before anything runs): empty prompt,
 negative or non-integer token ids, a prompt of max_context tokens or more (one position must be
-left for the answer), max_new_tokens < 1, or a worst case larger than the whole pool (with either
+left for the answer), max_new_tokens < 0, or a worst case larger than the whole pool (with either
 admission: on demand, such a request could not finish even alone).
 
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
@@ -237,7 +238,7 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.max_batch_tokens = max_batch_tokens
         self.max_context = max_context
-        eos = [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids
+        eos = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
         self.eos_token_ids = frozenset(operator.index(t) for t in eos)
         self.policy = policy
         self.admission = admission
@@ -270,8 +271,12 @@ class Scheduler:
             raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of "
                                  f"{self.max_context} with room for one new token")
         max_new = getattr(params, "max_new_tokens", None)
-        if not isinstance(max_new, int) or max_new < 1:
-            raise InvalidRequest(f"max_new_tokens must be a positive int, got {max_new!r}")
+        if not isinstance(max_new, int) or max_new < 0:
+            raise InvalidRequest(f"max_new_tokens must be an int >= 0, got {max_new!r}")
+        if max_new == 0:   # nothing to generate: finished at once, never scheduled
+            request_id = self._new_request_id()
+            self._finished.append(Result(request_id, prompt, [], "length"))
+            return request_id
         # The last sampled token is never fed back, so the cache holds one token less than the end.
         cached_tokens = min(len(prompt) + max_new, self.max_context) - 1
         worst_blocks = self.allocator.blocks_needed(cached_tokens)
@@ -281,8 +286,7 @@ class Scheduler:
                 f"{self.allocator.block_size}), larger than the whole KV pool "
                 f"({self.allocator.num_blocks} blocks, at most {self.allocator.max_seq_len} "
                 f"tokens per sequence)")
-        request_id = self._next_request_id
-        self._next_request_id += 1
+        request_id = self._new_request_id()
         self._requests[request_id] = _Request(request_id, prompt, params, max_new,
                                               bool(getattr(params, "ignore_eos", False)),
                                               worst_blocks)
@@ -401,6 +405,10 @@ class Scheduler:
         }
 
     # ---- internals ---------------------------------------------------------------------------
+    def _new_request_id(self) -> int:
+        self._next_request_id += 1
+        return self._next_request_id - 1
+
     def _prefill_rows(self) -> list[Row]:
         """Admit waiting requests from the head of the queue while they fit (FIFO, no overtaking)."""
         rows: list[Row] = []
