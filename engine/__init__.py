@@ -16,6 +16,9 @@ _LAZY = {
     "SamplingParams": ("engine.sampling", "SamplingParams"),
     "SafetensorsError": ("engine.safetensors", "SafetensorsError"),
     "ConfigError": ("engine.config", "ConfigError"),
+    "DefaultModelError": ("engine.default_model", "DefaultModelError"),
+    "GGUFConversionError": ("engine.gguf_convert", "GGUFConversionError"),
+    "BackendError": ("engine.backend", "BackendError"),
 }
 
 __all__ = sorted(_LAZY) + ["safetensors"]

@@ -184,19 +184,21 @@ def _point_at_source(log: str, path: Path) -> str:
 
 def f32_to_bf16(x) -> np.ndarray:
     """float32 -> bf16 bits (uint16), round-to-nearest-even; NaN -> 0x7FC0 like PyTorch."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = np.asarray(x, dtype=np.float32)
+    shape = x.shape
+    x = np.ascontiguousarray(x).reshape(-1)           # 0-d arrays too
     bits = x.view(np.uint32)
     # Adding 0x7FFF plus the lowest kept bit rounds to nearest, ties to even.
     rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
     out = rounded.astype(np.uint16)
     out[np.isnan(x)] = 0x7FC0
-    return out
+    return out.reshape(shape)
 
 
 def bf16_to_f32(bits) -> np.ndarray:
     """bf16 bits (uint16) -> float32, exact (shift the bits back into the top half)."""
-    bits = np.ascontiguousarray(bits, dtype=np.uint16)
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    bits = np.asarray(bits, dtype=np.uint16)
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(bits.shape)
 
 
 def round_to_bf16(x) -> np.ndarray:

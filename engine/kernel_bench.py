@@ -241,7 +241,7 @@ class Bench:
             seq_h = np.arange(S, dtype=np.int32)
             args = (cp.asarray(tables_h), cp.asarray(seq_h), cp.asarray(pos_h))
             big = S * max(ctxs) >= 8192
-            ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h, D ** -0.5)
+            ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h, D ** -0.5).reshape(S, -1)
             for sp in ([1, splits] if splits else [None]):
                 with self.poisoned():
                     out = paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp)
