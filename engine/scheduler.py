@@ -7,7 +7,7 @@ it in a loop, one batch in flight at a time:
                       max_context=2048, eos_token_ids={2})
     rid = sched.submit(prompt_ids, params)          # params: .max_new_tokens, .ignore_eos
     while sched.has_unfinished():
-        batch = sched.schedule()                    # Batch of kind "prefill" or "decode"
+        batch = sched.schedule()                    # "prefill" or "decode"; None only when idle
         try:
             sampled = run_model(batch)              # one new token per row, from its last position
         except Exception:
@@ -295,7 +295,11 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        """The next batch to run, or None when no request is waiting or running."""
+        """The next batch to run; None exactly when no request is waiting or running.
+
+        (With live requests there is always something to run: the oldest running request alone
+        always fits, and a waiting head always fits an empty pool, or submit() refused it.)
+        """
         if self._in_flight is not None:
             raise SchedulerError(f"batch {self._in_flight.batch.batch_id} is still in flight: "
                                  f"complete() or fail() it first")
