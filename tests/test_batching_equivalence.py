@@ -54,8 +54,8 @@ class Workload:
         self.params[0] = SamplingParams(max_new_tokens=12)               # the request that meets the eos
         self.prompts[0] = self.prompts[0][:8]
         plain = load_model(gen_model_dir(), backend="numpy", max_context=MAX_CONTEXT)
-        free_run = [greedy_no_cache(plain, p, sp.max_new_tokens, ignore_eos=True) for p, sp in zip(self.prompts, self.params)]
-        self.eos = free_run[0][0][4]                                      # emitted by request 0 at step <= 4
+        free_run, _ = greedy_no_cache(plain, self.prompts[0], 12, ignore_eos=True)
+        self.eos = free_run[4]                                            # emitted by request 0 at step <= 4
         self.model_dir = gen_model_dir(eos=self.eos)
         self.model = load_model(self.model_dir, backend="numpy", max_context=MAX_CONTEXT)
         self.expected = [greedy_no_cache(self.model, p, sp.max_new_tokens, eos=(self.eos,), ignore_eos=sp.ignore_eos)
@@ -63,7 +63,8 @@ class Workload:
         assert self.expected[0][1] == "stop"
 
     def llm(self, batching, kv_cache, **kwargs) -> LLM:
-        return LLM(self.model_dir, backend="numpy", batching=batching, kv_cache=kv_cache, max_context=MAX_CONTEXT, **kwargs)
+        return LLM(self.model_dir, backend="numpy", batching=batching, kv_cache=kv_cache,
+                   max_context=MAX_CONTEXT, **kwargs)
 
 
 @pytest.fixture(scope="module", params=WORKLOAD_SEEDS, ids=lambda s: f"workload{s}")

@@ -81,7 +81,8 @@ def test_llm_generate_greedy_equals_full_recomputation(model, kv_cache):
     results = llm.generate(batch, SamplingParams(max_new_tokens=20, **GREEDY))
     for prompt, result in zip(batch, results):
         assert result.prompt_token_ids == prompt
-        assert (result.token_ids, result.finish_reason) == (greedy_no_cache(model, prompt, 20, ignore_eos=True)[0], "length")
+        expected, _ = greedy_no_cache(model, prompt, 20, ignore_eos=True)
+        assert (result.token_ids, result.finish_reason) == (expected, "length")
         assert result.text == ""                    # no tokenizer.json in a random model directory
 
 
@@ -114,7 +115,8 @@ def test_eos_from_generation_config(tmp_path, eos_case):
     shutil.copytree(gen_model_dir(), model_dir)
     assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == 2 and eos != 2
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 2]}))
-    [result] = LLM(model_dir, backend="numpy", max_context=MAX_CONTEXT).generate([prompt], SamplingParams(max_new_tokens=16))
+    llm = LLM(model_dir, backend="numpy", max_context=MAX_CONTEXT)
+    [result] = llm.generate([prompt], SamplingParams(max_new_tokens=16))
     assert (result.token_ids, result.finish_reason) == (greedy[:j + 1], "stop")
 
 
@@ -184,6 +186,7 @@ def test_multi_turn_prefix_reuse_equals_a_fresh_session(model, monkeypatch):
     p3 = p2[:6] + [11, 12]                                # history edited: only a short prefix survives
     next_turn(p3, reused=6)
     next_turn(p3, reused=len(p3) - 1)                     # same prompt again: only its last token
+    next_turn(p3[:4], reused=3)                           # a strict prefix of what is cached
     session.reset()
     next_turn(p2 + a2, reused=0)
 
@@ -203,3 +206,16 @@ def test_greedy_equals_transformers_generate_live(eos_case):
                                   max_new_tokens=16, pad_token_id=0)
             [result] = llm.generate([p], SamplingParams(max_new_tokens=16))
             assert result.token_ids == out[0, len(p):].tolist()
+
+
+def test_stopping_a_stream_early_keeps_the_session_consistent(model):
+    """Ctrl-C in the chat closes the generator mid-answer; the next turn must still be exact."""
+    params = SamplingParams(max_new_tokens=10, **GREEDY)
+    session = ChatSession(model)
+    p1 = prompts(model.config.vocab_size, lengths=(7,), seed=6)[0]
+    stream = session.stream(p1, params)
+    partial = [next(stream) for _ in range(4)]
+    stream.close()
+    assert session.cached == p1 + partial[:-1]            # the last yielded token was never fed
+    p2 = p1 + partial + [42]
+    assert stream_all(session, p2, params) == stream_all(ChatSession(model), p2, params)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.backend import (Backend, BackendError, bf16_to_f32, cupy_unavailable_reason, f32_to_bf16,
+from engine.backend import (BackendError, bf16_to_f32, cupy_unavailable_reason, f32_to_bf16,
                             resolve_backend, round_to_bf16)
 from engine.config import config_from_dict
 from engine.ops.argmax import argmax_rows
@@ -24,7 +24,7 @@ from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, 
 from engine.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from engine.ops.rope import rope_inv_freq, rope_qkv, rope_ref, rope_tables
 from engine.random_model import PRESETS
-from oracle_helpers import FIXTURES, HAVE_TRANSFORMERS, needs_transformers
+from oracle_helpers import FIXTURES, needs_transformers
 
 # (query heads, KV heads): GQA ratios 1, 3, 4, and MQA with 3 and 4 query heads
 HEADS = [(5, 5), (6, 2), (9, 3), (8, 2), (3, 1), (4, 1)]
@@ -556,4 +556,3 @@ def test_resolve_backend_auto_picks_cupy_on_a_gpu():
 def test_resolve_backend_rejects_unknown_names(name):
     with pytest.raises(ValueError):
         resolve_backend(name)
-    assert isinstance(Backend("numpy", np, None).describe(), str)

@@ -275,7 +275,8 @@ def test_top_k_one_through_the_engine_is_greedy(llm):
 def test_seeded_sampling_survives_preemption():
     """Stateless per-step uniforms: a request preempted and recomputed draws the same tokens."""
     prompts = [list(range(10 + i, 20 + i)) for i in range(4)]
-    params = [SamplingParams(max_new_tokens=20, temperature=1.0, top_k=40, seed=100 + i, ignore_eos=True) for i in range(4)]
+    params = [SamplingParams(max_new_tokens=20, temperature=1.0, top_k=40, seed=100 + i, ignore_eos=True)
+              for i in range(4)]
     roomy = LLM(gen_model_dir(), backend="numpy", max_context=MAX_CONTEXT).generate(prompts, params)
     tight = LLM(gen_model_dir(), backend="numpy", max_context=MAX_CONTEXT, kv_cache_mib=4 * 16 * 384 / 2**20,
                 admission="on_demand")
