@@ -42,7 +42,8 @@ def validate_messages(messages) -> list[dict]:
     cleaned = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', "
+                                    f"got {type(message).__name__}")
         message = {k: v for k, v in message.items() if v is not None}
         role = message.get("role")
         if role not in ROLES:

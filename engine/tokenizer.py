@@ -26,7 +26,8 @@ from pathlib import Path
 
 import regex
 
-__all__ = ["Tokenizer", "TokenizerError", "IncrementalDetokenizer", "load_tokenizer", "bytes_to_unicode", "bpe_merge"]
+__all__ = ["Tokenizer", "TokenizerError", "IncrementalDetokenizer", "load_tokenizer", "bytes_to_unicode", "byte_chars",
+           "bpe_merge"]
 
 
 class TokenizerError(ValueError):
@@ -51,8 +52,12 @@ def bytes_to_unicode() -> dict[int, str]:
 
 BYTE_TO_CHAR = bytes_to_unicode()
 CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
-# str.translate table: a piece's UTF-8 bytes read as Latin-1 (one char per byte) -> byte-map characters
-_BYTE_TRANSLATION = {b: c for b, c in BYTE_TO_CHAR.items()}
+
+
+def byte_chars(text: str) -> str:
+    """text -> its UTF-8 bytes written in byte-map characters, what BPE works on (" naïve" -> "ĠnaÃ¯ve")."""
+    # Latin-1 turns each byte into the character of the same number; translate maps those to the byte map
+    return text.encode("utf-8").decode("latin-1").translate(BYTE_TO_CHAR)
 
 # The GPT-2 pre-tokenization regex, used by the ByteLevel pre-tokenizer when use_regex is true
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -159,7 +164,8 @@ def _pre_tokenizer_stages(spec: dict | None) -> list:
             if part.get("use_regex", True):
                 stages.append(RegexSplit(GPT2_PATTERN))
         else:
-            raise TokenizerError(f"unsupported pre-tokenizer {kind!r} (implemented: Sequence, Split, Digits, ByteLevel)")
+            raise TokenizerError(f"unsupported pre-tokenizer {kind!r} "
+                                 "(implemented: Sequence, Split, Digits, ByteLevel)")
     if not specs or specs[-1].get("type") != "ByteLevel":
         raise TokenizerError("byte-level BPE needs a ByteLevel pre-tokenizer as the last step")
     return stages
@@ -264,7 +270,8 @@ class AddedTokens:
         for m in pattern.finditer(text):
             start, stop = m.span()
             token = self.by_content[m.group()]
-            if token.get("single_word") and (_is_word_char(text[start - 1:start]) or _is_word_char(text[stop:stop + 1])):
+            inside_word = _is_word_char(text[start - 1:start]) or _is_word_char(text[stop:stop + 1])
+            if token.get("single_word") and inside_word:
                 continue
             if token.get("lstrip"):
                 start = max(len(text[:start].rstrip(_WHITE_SPACE)), position)
@@ -361,7 +368,9 @@ class Tokenizer:
         self.eos_token_id = self._role_id("eos_token")
         self.pad_token_id = self._role_id("pad_token")
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
-        self.chat_template = chat_template if chat_template is not None else _default_template(config.get("chat_template"))
+        if chat_template is None:
+            chat_template = _default_template(config.get("chat_template"))
+        self.chat_template = chat_template
 
     @staticmethod
     def _check_supported(spec: dict) -> None:
@@ -379,7 +388,8 @@ class Tokenizer:
             raise TokenizerError(f"unsupported normalizer {spec['normalizer'].get('type')!r}: none is implemented")
         decoder = spec.get("decoder")
         if decoder is None or decoder.get("type") != "ByteLevel":
-            raise TokenizerError(f"unsupported decoder {decoder and decoder.get('type')!r}: only ByteLevel is implemented")
+            kind = decoder and decoder.get("type")
+            raise TokenizerError(f"unsupported decoder {kind!r}: only ByteLevel is implemented")
 
     def _role_id(self, role: str) -> int | None:
         content = self.special_tokens_map.get(role)
@@ -408,7 +418,7 @@ class Tokenizer:
         return pieces
 
     def _bpe_word_uncached(self, piece: str) -> tuple[int, ...]:
-        word = piece.encode("utf-8").decode("latin-1").translate(_BYTE_TRANSLATION)  # bytes -> byte-map chars
+        word = byte_chars(piece)
         if self._ignore_merges and word in self.vocab:
             return (self.vocab[word],)  # the whole piece is a token: take it without merging
         try:
@@ -422,8 +432,7 @@ class Tokenizer:
 
         For teaching: Llama 3's ignore_merges shortcut is not taken here, so this shows how the merges
         alone build the piece (the result can differ from encode() when the whole piece is a token)."""
-        word = piece.encode("utf-8").decode("latin-1").translate(_BYTE_TRANSLATION)
-        symbols = [c for c in word if c in self.vocab]
+        symbols = [c for c in byte_chars(piece) if c in self.vocab]
         trace: list = []
         bpe_merge([self.vocab[c] for c in symbols], self._merges, trace)
         steps = []
@@ -481,7 +490,8 @@ class Tokenizer:
 
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
-            raise ChatTemplateError("this tokenizer has no chat template (tokenizer_config.json has none); pass chat_template=")
+            raise ChatTemplateError("this tokenizer has no chat template (tokenizer_config.json has none); "
+                                    "pass chat_template=")
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     **{**self.special_tokens_map, **template_kwargs})
 
