@@ -164,9 +164,27 @@ def load_module(stage: str, defines: tuple = ()):
     return module
 
 
+_KERNELS: dict = {}
+
+
 def load_kernel(stage: str, name: str, **defines):
-    """The `extern "C"` kernel `name` of kernels_cu/<stage>.cu as a cupy.RawKernel."""
-    return load_module(stage, tuple(sorted(defines.items()))).get_function(name)
+    """The `extern "C"` kernel `name` of kernels_cu/<stage>.cu as a cupy.RawKernel.
+
+    Looked up in a plain dict first: this sits on the decode loop's hot path (a few hundred
+    launches per token), where even microseconds of Python per launch add up.
+    """
+    key = (stage, name, *defines.items())
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = load_module(stage, tuple(sorted(defines.items()))).get_function(name)
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int = 0) -> int:
+    """Number of streaming multiprocessors (asked once: the attribute query is slow)."""
+    import cupy
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
 def _point_at_source(log: str, path: Path) -> str:

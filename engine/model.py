@@ -119,6 +119,7 @@ class Model:
             slots = dev(batch.slot_mapping)
         if uses_cache_attention:
             tables, seq_idx = dev(batch.block_tables), dev(batch.seq_idx)
+            longest = int(batch.positions.max()) + 1              # sizes the attention's context split
 
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)
@@ -130,7 +131,7 @@ class Model:
                 k_cache, v_cache = cache.layer(i)
                 kv_write(qkv, slots, k_cache, v_cache, cfg)
             if uses_cache_attention:
-                attn = paged_attention(qkv, k_cache, v_cache, tables, seq_idx, pos, cfg, self.max_context)
+                attn = paged_attention(qkv, k_cache, v_cache, tables, seq_idx, pos, cfg, longest)
             else:
                 attn = prefill_attention(qkv, batch.cu_seqlens, cfg)   # [T, Hq*D]
             o = linear(attn, lw.o)                                 # [T, H] fp32

@@ -30,7 +30,7 @@
 #define NWARPS 4
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
-#define UNROLL 2                    // steps whose loads are issued before any math (latency hiding)
+#define UNROLL 4                    // steps whose loads are issued before any math (latency hiding)
 
 static_assert(HEAD_DIM >= 16 && HEAD_DIM <= 256 && (HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM: power of two in [16, 256]");
 static_assert(GROUP >= 1 && GROUP <= 8, "GROUP in [1, 8]");
@@ -39,8 +39,7 @@ struct State {               // running softmax state of one lane for every quer
     float m[GROUP], l[GROUP], acc[GROUP][8];
 };
 
-__device__ __forceinline__ void load8(const bf16* p, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);          // 16 bytes = 8 bf16
+__device__ __forceinline__ void unpack8(const uint4& raw, float* out) {   // 8 bf16 -> 8 fp32
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -48,6 +47,10 @@ __device__ __forceinline__ void load8(const bf16* p, float* out) {
         out[2 * i] = f.x;
         out[2 * i + 1] = f.y;
     }
+}
+
+__device__ __forceinline__ void load8(const bf16* p, float* out) {
+    unpack8(*reinterpret_cast<const uint4*>(p), out);             // one 16-byte load
 }
 
 // Fold state b (m2, l2, acc2) into state a.
@@ -61,7 +64,7 @@ __device__ __forceinline__ void merge_into(float& m, float& l, float* acc, float
     m = m_new;
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, GROUP <= 4 ? 3 : 2)
 paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R, Hq*D] (row stride in elements)
                 const bf16* __restrict__ k_cache,                          // [NB, BS, Hkv, D]
                 const bf16* __restrict__ v_cache,                          // [NB, BS, Hkv, D]
@@ -79,11 +82,10 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
     const int* table = block_tables + (long long)seq_idx[r] * max_blocks;
     const int ctx = positions[r] + 1;
 
-    // This split's slice of the context, in whole pages so that slices never share a page.
-    const int n_pages = (ctx + block_size - 1) / block_size;
-    const int pages_per_split = (n_pages + n_splits - 1) / n_splits;
-    const int k_begin = split * pages_per_split * block_size;
-    const int k_end = min(ctx, (split + 1) * pages_per_split * block_size);
+    // This split's slice of the context: keys [k_begin, k_end). Short rows leave late slices empty.
+    const int per_split = (ctx + n_splits - 1) / n_splits;
+    const int k_begin = split * per_split;
+    const int k_end = min(ctx, k_begin + per_split);
 
     // This lane's slice of every query head of the group, pre-scaled so that exp2 gives exp(scale*q.k).
     float qf[GROUP][8];
@@ -105,25 +107,28 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
     const long long head_off = (long long)kvh * HEAD_DIM + d0;
     const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
     for (int base = k_begin + warp * KPW * UNROLL; base < k_end; base += NWARPS * KPW * UNROLL) {
-        float kf[UNROLL][8], vf[UNROLL][8];
+        uint4 kraw[UNROLL], vraw[UNROLL];         // raw 16-byte vectors: 4 registers each, not 8
         bool valid[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {          // issue all loads first
+        for (int u = 0; u < UNROLL; ++u) {          // issue all loads first: UNROLL x 256 B in flight per key group
             const int j = base + u * KPW + kg;
             valid[u] = j < k_end;
             if (valid[u]) {
                 const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                load8(k_cache + slot * token_stride + head_off, kf[u]);
-                load8(v_cache + slot * token_stride + head_off, vf[u]);
+                kraw[u] = *reinterpret_cast<const uint4*>(k_cache + slot * token_stride + head_off);
+                vraw[u] = *reinterpret_cast<const uint4*>(v_cache + slot * token_stride + head_off);
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
+            float kf[8], vf[8];
+            unpack8(kraw[u], kf);
+            unpack8(vraw[u], vf);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 float s = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) s += qf[g][i] * (valid[u] ? kf[u][i] : 0.0f);
+                for (int i = 0; i < 8; ++i) s += qf[g][i] * (valid[u] ? kf[i] : 0.0f);
 #pragma unroll
                 for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
                 if (valid[u]) {
@@ -131,7 +136,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
                     const float alpha = exp2f(st.m[g] - m_new), p = exp2f(s - m_new);
                     st.l[g] = st.l[g] * alpha + p;
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) st.acc[g][i] = st.acc[g][i] * alpha + p * vf[u][i];
+                    for (int i = 0; i < 8; ++i) st.acc[g][i] = st.acc[g][i] * alpha + p * vf[i];
                     st.m[g] = m_new;
                 }
             }

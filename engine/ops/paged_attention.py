@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backend import is_device_array, load_kernel
+from engine.backend import is_device_array, load_kernel, sm_count
 from engine.config import LlamaConfig
 from engine.ops.attention import softmax, split_qkv
 
@@ -52,15 +52,16 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, s
     return out
 
 
-def choose_splits(rows: int, n_kv_heads: int, max_context: int, block_size: int, n_sms: int) -> int:
-    """Split the context when rows x KV heads would leave SMs idle (decode of few sequences)."""
+def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
+    """How many slices of the context each (row, KV head) is cut into.
+
+    The kernel holds ~3 blocks per SM; with fewer than several waves of blocks the GPU idles (and a
+    last partial wave leaves SMs idle), so long contexts are split until there are ~12 blocks per
+    SM, keeping at least 128 keys per slice so that the merge stays cheap.
+    """
     blocks = rows * n_kv_heads
-    if blocks >= 2 * n_sms:
-        return 1
-    pages = (max_context + block_size - 1) // block_size
-    # each slice keeps at least ~256 keys so the merge stays cheap
-    max_by_len = max(1, (max_context + 255) // 256)
-    return int(max(1, min((4 * n_sms + blocks - 1) // blocks, pages, max_by_len, 64)))
+    wanted = -(-12 * n_sms // blocks)             # ceil
+    return int(max(1, min(wanted, -(-max_context // 128), 64)))
 
 
 def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig,
@@ -68,7 +69,8 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     """Attention of every row of qkv [R, (Hq+2Hkv)*D] over the cache -> [R, Hq*D].
 
     CPU: fp32 reference. GPU: the paged_attention kernel, split along the context (plus the merge
-    kernel) when there are too few rows to fill the GPU. `max_context` bounds positions + 1.
+    kernel) when there are too few rows to fill the GPU. `max_context` bounds positions + 1 (the
+    longest context in the batch: it sizes the split).
     """
     scale = config.head_dim ** -0.5
     Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -82,8 +84,7 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
         return out
     block_size = k_cache.shape[1]
     if splits is None:
-        n_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        splits = choose_splits(R, Hkv, max_context, block_size, n_sms)
+        splits = choose_splits(R, Hkv, max_context, sm_count(cp.cuda.Device().id))
     kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv)
     if splits > 1:
         part_ml = cp.empty((R, Hq, splits, 2), dtype=cp.float32)
