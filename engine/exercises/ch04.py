@@ -1,7 +1,6 @@
 """Chapter 04 exercises: RMSNorm, its fused residual add, and the per-thread sums of the kernel."""
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import numpy as np
