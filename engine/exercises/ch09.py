@@ -1,0 +1,147 @@
+"""Chapter 09 exercises: the cost of static batching, counted by hand and checked against the engine.
+
+`run_scheduler` drives the real Scheduler with a stand-in model (every sampled token is 7 and eos
+never stops a request), so a timeline depends only on prompt lengths, max_new_tokens and arrivals:
+the checkers of chapters 09-10 take their expected answers from it. `run_hinted_checks` is the
+checker loop for answers that are numbers or lists, naming a known mistake when the answer matches it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from engine.config import config_from_dict
+from engine.exercises.ch00 import run_checks
+from engine.paged_kv import BlockAllocator, SlotAllocator
+from engine.random_model import PRESETS
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+
+STAND_IN_TOKEN = 7
+
+
+def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy: str, max_seqs: int,
+                  max_batch_tokens: int | None = None, arrivals: Sequence[int] | None = None,
+                  allocator: BlockAllocator | None = None, admission: str = "conservative") -> list[dict]:
+    """The step log of a workload. Request i gets id i and is submitted once arrivals[i] steps have
+    run (non-decreasing; default: all before the first step), or earlier when the engine would
+    otherwise sit idle. Without an allocator: max_seqs contiguous slots of a context just long
+    enough for the longest request. Without max_batch_tokens: no token limit."""
+    n = len(prompt_lens)
+    arrivals = list(arrivals) if arrivals is not None else [0] * n
+    if not len(max_new) == len(arrivals) == n:
+        raise ValueError("prompt_lens, max_new and arrivals must have one entry per request")
+    if any(a > b for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError(f"arrivals must be non-decreasing (request i gets id i), got {arrivals}")
+    max_context = max(p + m for p, m in zip(prompt_lens, max_new)) + 1
+    allocator = allocator or SlotAllocator(max_seqs, max_context)
+    budget = max_batch_tokens or max(max_seqs, sum(prompt_lens) + sum(max_new))
+    sched = Scheduler(allocator, max_seqs, budget, max(max_context, allocator.max_seq_len + 1),
+                      policy=policy, admission=admission)
+    submitted = 0
+    while submitted < n or sched.has_unfinished():
+        while submitted < n and (arrivals[submitted] <= len(sched.step_log) or not sched.has_unfinished()):
+            params = SamplingParams(max_new_tokens=max_new[submitted], ignore_eos=True)
+            sched.submit([STAND_IN_TOKEN] * prompt_lens[submitted], params)
+            submitted += 1
+        batch = sched.schedule()
+        if batch is not None:   # None: every request so far had max_new_tokens == 0
+            sched.complete(batch.batch_id, [STAND_IN_TOKEN] * len(batch.rows))
+    return sched.step_log
+
+
+def run_hinted_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
+                      hints: Sequence[tuple[str, Callable]] = (),
+                      same: Callable[[object, object], bool] = lambda got, want: got == want) -> bool:
+    """run_checks, plus: when an answer is wrong and equals a known mistake's answer, say which."""
+    cases = list(cases)
+
+    def named_mistake(args, got) -> str:
+        for text, wrong in hints:
+            try:
+                if same(got, wrong(*args)):
+                    return f" -- it looks like {text}"
+            except Exception:   # a hint that does not apply to these arguments
+                continue
+        return ""
+
+    for args, expected in cases:
+        try:
+            got = fn(*args)
+        except Exception:
+            break            # run_checks below reports it (not attempted, or the error)
+        if not same(got, expected):
+            call = f"{getattr(fn, '__name__', 'fn')}{args if len(args) != 1 else f'({args[0]!r})'}"
+            print(f"[x] {title}: {call} returned {got!r}, expected {expected!r}{named_mistake(args, got)}")
+            return False
+    return run_checks(title, fn, cases, same)
+
+
+# ----------------------------------------------------------------------------- padding
+
+def pad_tokens_ref(prompt_lens: Sequence[int], batch_size: int) -> int:
+    """FIFO batches of batch_size prompts, each batch padded to its longest prompt."""
+    pads = 0
+    for start in range(0, len(prompt_lens), batch_size):
+        group = prompt_lens[start:start + batch_size]
+        pads += len(group) * max(group) - sum(group)
+    return pads
+
+
+def check_pad_tokens(fn: Callable[[list, int], int]) -> bool:
+    """fn(prompt_lens, batch_size) -> pad tokens of FIFO batches, each padded to its own longest prompt."""
+    rng = np.random.default_rng(9)
+    workloads = [([3, 5, 2], 3), ([3, 5, 2], 2), ([7], 4), ([4, 4, 4, 4], 2), ([1, 9, 1, 9, 1], 2)]
+    workloads += [(rng.integers(100, 1025, n).tolist(), b) for n, b in ((256, 64), (50, 16), (9, 4))]
+    cases = [((lens, b), pad_tokens_ref(lens, b)) for lens, b in workloads]
+    hints = [("every batch was padded to the longest prompt of the whole workload",
+              lambda lens, b: len(lens) * max(lens) - sum(lens)),
+             ("these are the padded tokens in total (real + pad); count only the pads",
+              lambda lens, b: pad_tokens_ref(lens, b) + sum(lens)),
+             ("the last, partial batch was left out",
+              lambda lens, b: pad_tokens_ref(lens[:len(lens) - len(lens) % b], b))]
+    return run_hinted_checks("pad_tokens", fn, cases, hints)
+
+
+# ----------------------------------------------------------------------------- waiting for the slowest
+
+def static_decode_cost_ref(max_new: Sequence[int], batch_size: int) -> tuple[int, int]:
+    """(decode steps, idle slot-steps) of static batching, read off the scheduler's step log."""
+    log = run_scheduler([4] * len(max_new), max_new, policy="static", max_seqs=batch_size)
+    decode = [e for e in log if e["kind"] == "decode"]
+    return len(decode), sum(e["idle_slots"] for e in decode)
+
+
+def check_static_decode_cost(fn: Callable[[list, int], tuple]) -> bool:
+    """fn(max_new_tokens per request, batch_size) -> (decode steps, idle slot-steps) under static
+    batching. Requests are grouped FIFO; the first token of each comes from its prefill step."""
+    rng = np.random.default_rng(10)
+    workloads = [([3, 1, 2], 3), ([5, 5], 2), ([1, 1, 1], 2), ([10, 2, 3, 4, 1], 2), ([1], 1)]
+    workloads += [(rng.integers(1, 60, n).tolist(), b) for n, b in ((12, 4), (20, 5), (7, 8))]
+    cases = [((m, b), static_decode_cost_ref(m, b)) for m, b in workloads]
+
+    def groups(m, b):
+        return [m[i:i + b] for i in range(0, len(m), b)]
+    hints = [("the first token was counted as a decode step; it comes from the prefill",
+              lambda m, b: (sum(max(g) for g in groups(m, b)), sum(len(g) * max(g) - sum(g) for g in groups(m, b)))),
+             ("the group was padded to the longest request of the whole workload",
+              lambda m, b: (len(groups(m, b)) * (max(m) - 1), sum(len(g) * max(m) - sum(g) for g in groups(m, b))))]
+    return run_hinted_checks("static_decode_cost", fn, cases, hints,
+                             same=lambda got, want: tuple(int(v) for v in got) == want)
+
+
+# ----------------------------------------------------------------------------- slot memory
+
+def check_slot_cache_bytes(fn: Callable) -> bool:
+    """fn(config, num_slots, max_context, bytes_per_value) -> bytes of a contiguous KV cache of
+    num_slots slots, each reserving max_context positions of K and V in every layer."""
+    configs = [config_from_dict(dict(PRESETS[name])) for name in ("smollm2-135m", "llama-3.2-1b", "tiny", "tiny-mqa")]
+    cases = [((cfg, slots, ctx, b), slots * ctx * cfg.kv_bytes_per_token(b))
+             for cfg in configs for slots, ctx, b in ((1, 2048, 2), (16, 4096, 2), (4, 256, 4))]
+    hints = [("the K and V heads were counted with num_attention_heads; GQA stores only the "
+              "num_key_value_heads", lambda c, s, t, b: 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * b * s * t),
+             ("only K was counted (V takes as much again)", lambda c, s, t, b: s * t * c.kv_bytes_per_token(b) // 2),
+             ("one layer was counted; every layer has its own K and V",
+              lambda c, s, t, b: s * t * c.kv_bytes_per_token(b) // c.num_hidden_layers)]
+    return run_hinted_checks("slot_cache_bytes", fn, cases, hints)

@@ -1,0 +1,176 @@
+"""Chapter 11 exercises: the block-table lookup, the pages a request can need, and the online
+softmax (one key at a time, then merging two partial states, as the split-K kernel does)."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from engine.exercises.ch09 import run_hinted_checks
+from engine.paged_kv import PageAllocator
+from engine.sampling import SamplingParams
+from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
+
+
+# ----------------------------------------------------------------------------- the lookup
+
+def _slot_ref(block_table, position: int, block_size: int) -> int:
+    """Where the engine puts the token: Batch.slot_mapping of a one-token row at that position."""
+    row = Row(0, [0], position, list(block_table), None, 0)
+    return int(Batch(0, "decode", [row], block_size).slot_mapping[0])
+
+
+def check_slot_of(fn: Callable[[list, int, int], int]) -> bool:
+    """fn(block_table, position, block_size) -> the cache slot (row of the flattened pool) that
+    holds the token at that absolute position of the sequence."""
+    rng = np.random.default_rng(13)
+    cases = []
+    for table, bs in (([7, 2, 9], 16), ([0], 16), ([5, 3], 4), ([11, 0, 4, 8, 1], 3), ([3], 256)):
+        for pos in sorted({0, 1, bs - 1, bs, len(table) * bs - 1, int(rng.integers(0, len(table) * bs))}):
+            if pos < len(table) * bs:
+                cases.append(((table, pos, bs), _slot_ref(table, pos, bs)))
+    hints = [("the position was used as the slot: that is only true for one contiguous block 0",
+              lambda t, p, bs: p),
+             ("the block number was not multiplied by block_size (slot = block * block_size + offset)",
+              lambda t, p, bs: t[p // bs] + p % bs),
+             ("the table was indexed by the offset and the page by the quotient, the wrong way round",
+              lambda t, p, bs: t[p % bs] * bs + p // bs)]
+    return run_hinted_checks("slot_of", fn, cases, hints)
+
+
+# ----------------------------------------------------------------------------- pages per request
+
+def _worst_pages_ref(prompt_len: int, max_new: int, page_size: int, max_context: int) -> int:
+    """The smallest pool the scheduler accepts the request into: submit() refuses a request whose
+    worst case is larger than the whole pool, so that size is exactly what admission promises it."""
+    def accepted(num_pages: int) -> bool:
+        sched = Scheduler(PageAllocator(num_pages, page_size), 1, max(prompt_len, 1), max_context)
+        try:
+            sched.submit([1] * prompt_len, SamplingParams(max_new_tokens=max_new))
+        except InvalidRequest:
+            return False
+        return True
+    low, high = 1, -(-max_context // page_size)       # accepted(high) always holds
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if accepted(mid) else (mid + 1, high)
+    return low
+
+
+def check_pages_needed(fn: Callable[[int, int, int, int], int]) -> bool:
+    """fn(prompt_len, max_new_tokens, page_size, max_context) -> the most pages the request can ever
+    hold: what conservative admission must find free before admitting it."""
+    cases = [((p, n, ps, ctx), _worst_pages_ref(p, n, ps, ctx))
+             for p, n, ps, ctx in ((10, 7, 16, 4096), (16, 1, 16, 4096), (16, 2, 16, 4096), (17, 1, 16, 4096),
+                                   (100, 924, 16, 4096), (1, 1, 16, 4096), (30, 100, 16, 64), (5, 3, 4, 4096),
+                                   (1000, 1000, 16, 1500), (33, 32, 32, 4096))]
+    hints = [("the last sampled token was counted; it is never written to the cache (it would be "
+              "the input of a step that never runs)", lambda p, n, ps, ctx: -(-min(p + n, ctx) // ps)),
+             ("the context limit was ignored: a request stops when prompt + generated reaches max_context",
+              lambda p, n, ps, ctx: -(-(p + n - 1) // ps)),
+             ("that rounds down; a partly filled page is still a whole page",
+              lambda p, n, ps, ctx: (min(p + n, ctx) - 1) // ps)]
+    return run_hinted_checks("pages_needed", fn, cases, hints)
+
+
+# ----------------------------------------------------------------------------- online softmax
+
+def online_update_ref(m: float, l: float, acc: np.ndarray, s: float, v: np.ndarray):
+    """Fold one key (score s, value v) into the running state (max m, sum l, weighted sum acc)."""
+    m_new = max(m, s)
+    alpha, p = math.exp(m - m_new), math.exp(s - m_new)
+    return m_new, l * alpha + p, acc * alpha + p * v
+
+
+def merge_ref(a, b):
+    """Combine the states of two disjoint sets of keys into the state of their union."""
+    (m1, l1, acc1), (m2, l2, acc2) = a, b
+    m = max(m1, m2)
+    if m == -math.inf:
+        return m, 0.0, np.zeros_like(acc1)
+    w1, w2 = math.exp(m1 - m), math.exp(m2 - m)
+    return m, l1 * w1 + l2 * w2, acc1 * w1 + acc2 * w2
+
+
+def _state_close(got, want) -> bool:
+    """Same (m, l, acc) within float64 rounding; NaN matches NaN (so a hint can name a NaN answer)."""
+    try:
+        m, l, acc = got
+        got = np.array([float(m), float(l)]), np.asarray(acc, dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    want = np.array([float(want[0]), float(want[1])]), np.asarray(want[2], dtype=np.float64)
+    return all(a.shape == b.shape and np.allclose(a, b, rtol=1e-6, atol=1e-12, equal_nan=True)
+               for a, b in zip(got, want))
+
+
+def _state_of(scores, values):
+    """(max, sum of exp(s - max), sum of exp(s - max) * v) of a set of keys, computed all at once."""
+    if len(scores) == 0:
+        return -math.inf, 0.0, np.zeros(values.shape[1])
+    m = float(np.max(scores))
+    p = np.exp(np.asarray(scores, dtype=np.float64) - m)
+    return m, float(p.sum()), p @ values
+
+
+def _streamed(update, scores, values):
+    state = (-math.inf, 0.0, np.zeros(values.shape[1]))
+    for s, v in zip(scores, values):
+        state = update(*state, float(s), v.copy())
+    return state
+
+
+def check_online_update(fn: Callable) -> bool:
+    """fn(m, l, acc [D], s, v [D]) -> (m', l', acc'): the state after one more key. The empty state
+    is (-inf, 0, zeros); after all keys, acc / l is the attention output softmax(scores) @ values."""
+    rng = np.random.default_rng(14)
+    v3 = np.array([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+    cases = [((-math.inf, 0.0, np.zeros(2), 1.0, v3[0]), online_update_ref(-math.inf, 0.0, np.zeros(2), 1.0, v3[0])),
+             ((1.0, 1.0, v3[0].copy(), 3.0, v3[1]), online_update_ref(1.0, 1.0, v3[0].copy(), 3.0, v3[1])),
+             ((3.0, 1.1353, np.array([0.1353, 1.0]), 2.0, v3[2]),
+              online_update_ref(3.0, 1.1353, np.array([0.1353, 1.0]), 2.0, v3[2]))]
+    stream_cases = []
+    for n, D, scale in ((3, 2, 1.0), (50, 8, 3.0), (200, 64, 30.0), (7, 4, 1000.0)):
+        scores, values = rng.standard_normal(n) * scale, rng.standard_normal((n, D))
+        stream_cases.append(((scores, values), _state_of(scores, values)))
+    hints = [("acc was not rescaled by exp(m - m_new) when the max grew",
+              lambda m, l, acc, s, v: (max(m, s), l * math.exp(m - max(m, s)) + math.exp(s - max(m, s)),
+                                       acc + math.exp(s - max(m, s)) * v)),
+             ("l was not rescaled by exp(m - m_new) when the max grew",
+              lambda m, l, acc, s, v: (max(m, s), l + math.exp(s - max(m, s)), online_update_ref(m, l, acc, s, v)[2])),
+             ("exp(s) was used without subtracting the running max",
+              lambda m, l, acc, s, v: (max(m, s), l + math.exp(s), acc + math.exp(s) * v))]
+    if not run_hinted_checks("online_update (one key)", fn, cases, hints, same=_state_close):
+        return False
+    def your_update_over_every_key(scores, values):
+        return _streamed(fn, scores, values)
+    return run_hinted_checks("online_update (streaming every key)", your_update_over_every_key,
+                             stream_cases, same=_state_close)
+
+
+def check_merge(fn: Callable) -> bool:
+    """fn(state_a, state_b) -> the state of both sets of keys; a state is (m, l, acc [D])."""
+    rng = np.random.default_rng(15)
+    cases = []
+    for n, D, scale in ((3, 2, 1.0), (64, 8, 5.0), (300, 16, 40.0)):
+        scores, values = rng.standard_normal(n) * scale, rng.standard_normal((n, D))
+        for cut in sorted({1, n // 3, n - 1}):
+            a, b = _state_of(scores[:cut], values[:cut]), _state_of(scores[cut:], values[cut:])
+            cases.append(((a, b), _state_of(scores, values)))
+    empty = _state_of(np.zeros(0), np.zeros((0, 4)))
+    full = _state_of(np.array([0.5, -1.0]), np.array([[1.0, 2, 3, 4], [4.0, 3, 2, 1]]))
+    cases += [((empty, full), full), ((full, empty), full), ((empty, empty), empty)]
+
+    def unguarded(a, b):
+        with np.errstate(invalid="ignore"):
+            m = max(a[0], b[0])
+            w1, w2 = np.exp(a[0] - m), np.exp(b[0] - m)
+            return m, a[1] * w1 + b[1] * w2, a[2] * w1 + b[2] * w2
+    hints = [("both states are empty: exp(-inf - (-inf)) is NaN; return the empty state as it is",
+              lambda a, b: unguarded(a, b) if a[0] == b[0] == -math.inf else None),
+             ("the two states were added without rescaling each to the common max",
+              lambda a, b: (max(a[0], b[0]), a[1] + b[1], a[2] + b[2])),
+             ("the outputs acc/l were averaged; weight each state by its share of the total l",
+              lambda a, b: (max(a[0], b[0]), 1.0, (a[2] / a[1] + b[2] / b[1]) / 2))]
+    return run_hinted_checks("merge", fn, cases, hints, same=_state_close)

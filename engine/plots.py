@@ -1,0 +1,257 @@
+"""Pictures of serving (chapters 09-11), drawn from the scheduler's step log and snapshot().
+
+Every function takes plain data (a step log: `llm.last_step_log` or `sched.step_log`; a snapshot:
+`sched.snapshot()`), draws on a matplotlib Axes (a new figure when `ax` is None) and returns the Axes:
+
+    request_timelines(log)        request id -> its state at every step (the data behind the Gantt chart)
+    summarize(log)                steps, tokens, idle slots, seconds: one dict per run, for tables
+    request_latencies(log)        request id -> (time to first token, time to finish)
+    gantt(log)                    one row per request, one bar per run of steps in the same state
+    occupancy(log, max_seqs)      rows in each batch (and static batching's idle seats), queue length
+    memory(log, block_size)       KV cache reserved vs holding real tokens; the gap is waste
+    page_table(snapshot)          the pool of pages: who owns each page, how full it is, block tables
+
+Step states (request_timelines, gantt):
+    waiting   arrived (or preempted) and not admitted yet
+    prefill   in this step's batch, a prefill row (its prompt, or prompt + generated after preemption)
+    decode    in this step's batch, a decode row (one token)
+    stalled   admitted, but this step's batch does not include it (a prefill batch of newcomers)
+    idle      static batching: finished, but its seat stays taken until the whole group ends
+The step log does not record cancel(): pass `cancelled={request_id: len(sched.step_log) at the
+cancel}` to end a cancelled request's row there.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch, Rectangle
+
+STATES = ("waiting", "prefill", "decode", "stalled", "idle")
+STATE_STYLE = {                      # (face colour, hatch)
+    "waiting": ("#e6e6e6", ""),
+    "prefill": ("#d95f02", ""),
+    "decode": ("#1b9e77", ""),
+    "stalled": ("#a6dba0", "...."),
+    "idle": ("#ffffff", "////"),
+}
+
+
+def request_color(request_id: int):
+    return plt.get_cmap("tab20")(request_id % 20)
+
+
+def _axes(ax, figsize):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    return ax
+
+
+def _x_edges(step_log, x: str) -> np.ndarray:
+    """[steps + 1] where each step starts and ends on the x axis: step numbers or wall seconds."""
+    if x == "step":
+        return np.arange(len(step_log) + 1, dtype=float)
+    if x == "seconds":
+        if any("seconds" not in e for e in step_log):
+            raise ValueError("x='seconds' needs a 'seconds' key in every step (engine.LLM adds it)")
+        return np.concatenate([[0.0], np.cumsum([e["seconds"] for e in step_log])])
+    raise ValueError(f"x must be 'step' or 'seconds', got {x!r}")
+
+
+def request_timelines(step_log, cancelled: dict[int, int] | None = None) -> dict[int, list[str]]:
+    """request id -> [state at step 0, step 1, ...]; "" before it arrived and after it left."""
+    n = len(step_log)
+    cancelled = cancelled or {}
+    states: dict[int, list[str]] = {}
+    status: dict[int, str] = {}      # before the step: "waiting" | "running" | "finished" | "gone"
+    for s, entry in enumerate(step_log):
+        for rid in entry["arrived"]:
+            states[rid], status[rid] = [""] * n, "waiting"
+        for rid in entry["preempted"]:      # preempted while this batch was formed
+            status[rid] = "waiting"
+        in_batch = set(entry["request_ids"])
+        for rid in status:
+            if cancelled.get(rid, n) <= s:
+                status[rid] = "gone"
+            if status[rid] == "finished":   # static: the seat is held while the group still runs
+                status[rid] = "finished" if entry["idle_slots"] > 0 else "gone"
+            if rid in in_batch:
+                states[rid][s] = entry["kind"]
+            else:
+                states[rid][s] = {"waiting": "waiting", "running": "stalled",
+                                  "finished": "idle", "gone": ""}[status[rid]]
+        for rid in in_batch:
+            status[rid] = "running"
+        for rid in entry["finished"]:
+            status[rid] = "finished"
+    return states
+
+
+def _runs(states: list[str]):
+    """(state, first step, length) of every maximal run of one non-empty state."""
+    runs, start = [], 0
+    for s in range(1, len(states) + 1):
+        if s == len(states) or states[s] != states[start]:
+            if states[start]:
+                runs.append((states[start], start, s - start))
+            start = s
+    return runs
+
+
+def summarize(step_log) -> dict:
+    """Totals of one run. Every row of every step samples one token, so output tokens = sum of rows."""
+    decode = [e for e in step_log if e["kind"] == "decode"]
+    out = {
+        "steps": len(step_log),
+        "prefill_steps": len(step_log) - len(decode),
+        "decode_steps": len(decode),
+        "output_tokens": sum(e["rows"] for e in step_log),
+        "prompt_tokens_computed": sum(e["tokens"] for e in step_log if e["kind"] == "prefill"),
+        "mean_decode_rows": float(np.mean([e["rows"] for e in decode])) if decode else 0.0,
+        "idle_slot_steps": sum(e["idle_slots"] for e in step_log),
+        "preemptions": sum(len(e["preempted"]) for e in step_log),
+        "recomputed_tokens": sum(e["recomputed_tokens"] for e in step_log),
+        "max_running": max((e["running"] for e in step_log), default=0),
+    }
+    if step_log and all("seconds" in e for e in step_log):
+        out["seconds"] = float(sum(e["seconds"] for e in step_log))
+        out["tokens_per_second"] = out["output_tokens"] / out["seconds"] if out["seconds"] else 0.0
+    return out
+
+
+def request_latencies(step_log, x: str = "step") -> dict[int, tuple[float, float]]:
+    """request id -> (time to first token, time to its last token), both counted from the start of
+    the step it arrived before to the end of the step that produced the token: in steps, or in
+    wall seconds with x="seconds". Only requests that finished within the log are listed."""
+    edges = _x_edges(step_log, x)
+    arrival, first = {}, {}
+    out = {}
+    for s, entry in enumerate(step_log):
+        for rid in entry["arrived"]:
+            arrival[rid] = s
+        for rid in entry["request_ids"]:
+            first.setdefault(rid, s)
+        for rid in entry["finished"]:
+            a = edges[arrival[rid]]
+            out[rid] = (float(edges[first[rid] + 1] - a), float(edges[s + 1] - a))
+    return dict(sorted(out.items()))
+
+
+def gantt(step_log, ax=None, title: str | None = None, x: str = "step",
+          cancelled: dict[int, int] | None = None):
+    """One row per request (id 0 on top), one bar per run of steps in the same state.
+
+    Preemptions are marked with a red x at the step they happened. x="seconds" stretches every step
+    to its wall time.
+    """
+    timelines = request_timelines(step_log, cancelled)
+    ax = _axes(ax, (10, 0.35 * len(timelines) + 1.2))
+    edges = _x_edges(step_log, x)
+    used = set()
+    for rid, states in timelines.items():
+        for state, start, length in _runs(states):
+            color, hatch = STATE_STYLE[state]
+            ax.barh(rid, edges[start + length] - edges[start], left=edges[start], height=0.7,
+                    color=color, hatch=hatch, edgecolor="0.35", linewidth=0.4)
+            used.add(state)
+    marks = [(edges[s], rid) for s, e in enumerate(step_log) for rid in e["preempted"]]
+    if marks:
+        ax.scatter(*zip(*marks), marker="x", color="red", s=40, zorder=3, label="preempted")
+    handles = [Patch(facecolor=STATE_STYLE[s][0], hatch=STATE_STYLE[s][1], edgecolor="0.35", label=s)
+               for s in STATES if s in used]
+    if marks:
+        handles.append(ax.collections[-1])
+    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
+    ax.set_yticks(sorted(timelines))
+    ax.set_ylim(max(timelines, default=0) + 0.8, -1.2)
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel("step" if x == "step" else "seconds")
+    ax.set_ylabel("request")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def occupancy(step_log, max_seqs: int | None = None, ax=None, title: str | None = None,
+              x: str = "step"):
+    """Two bars per step, stacked: the batch's rows (prefill or decode colour) and the idle seats
+    of static batching (hatched, height 0 when none); a line of the waiting queue; a dashed line at
+    max_seqs when given."""
+    ax = _axes(ax, (10, 2.8))
+    edges = _x_edges(step_log, x)
+    left, width = edges[:-1], np.diff(edges)
+    rows = np.array([e["rows"] for e in step_log])
+    idle = np.array([e["idle_slots"] for e in step_log])
+    colors = [STATE_STYLE[e["kind"]][0] for e in step_log]
+    ax.bar(left, rows, width=width, align="edge", color=colors, edgecolor="none")
+    ax.bar(left, idle, width=width, bottom=rows, align="edge", color="white", hatch="////",
+           edgecolor="0.5", linewidth=0)
+    ax.step(edges, np.append([e["waiting"] for e in step_log], step_log[-1]["waiting"] if step_log else 0),
+            where="post", color="0.2", lw=1, label="waiting")
+    if max_seqs is not None:
+        ax.axhline(max_seqs, color="k", ls="--", lw=0.8, label=f"max_seqs = {max_seqs}")
+    handles = [Patch(color=STATE_STYLE["prefill"][0], label="prefill rows"),
+               Patch(color=STATE_STYLE["decode"][0], label="decode rows"),
+               Patch(facecolor="white", hatch="////", edgecolor="0.5", label="idle seats"),
+               *ax.get_lines()]
+    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=len(handles))
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_xlabel("step" if x == "step" else "seconds")
+    ax.set_ylabel("sequences")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def memory(step_log, block_size: int, ax=None, label: str = "", x: str = "step",
+           show_cached: bool = True, color=None):
+    """KV memory per step, in token positions: reserved (used_blocks * block_size, a line) and
+    holding real K/V (cached_tokens, a second line when show_cached), the waste between them shaded."""
+    ax = _axes(ax, (10, 2.8))
+    mid = _x_edges(step_log, x)[1:]                   # the state after each step
+    reserved = np.array([e["used_blocks"] * block_size for e in step_log])
+    cached = np.array([e["cached_tokens"] for e in step_log])
+    prefix = f"{label}: " if label else ""
+    line, = ax.plot(mid, reserved, drawstyle="steps-pre", color=color, lw=1.5,
+                    label=f"{prefix}reserved ({block_size}-token blocks)")
+    ax.fill_between(mid, cached, reserved, step="pre", color=line.get_color(), alpha=0.15)
+    if show_cached:
+        ax.plot(mid, cached, drawstyle="steps-pre", color="k", lw=1, label="tokens actually cached")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.set_xlabel("step" if x == "step" else "seconds")
+    ax.set_ylabel("token positions")
+    return ax
+
+
+def page_table(snapshot: dict, ax=None, cols: int = 16, title: str | None = None):
+    """The pool as a grid of pages (between steps). Each page: a frame (all num_blocks of them),
+    plus, when owned, a fill bar in its request's colour as wide as the tokens it holds, labelled
+    r<request>.<index in its block table>. Running requests hold num_tokens - 1 cached tokens (the
+    last sampled token is written by the next step). The block tables are listed below the grid."""
+    if snapshot["in_flight"] is not None:
+        raise ValueError("page_table draws the pool between steps; this snapshot has a batch in flight")
+    n, bs = snapshot["num_blocks"], snapshot["block_size"]
+    owner = {}
+    for rid, table in snapshot["block_tables"].items():
+        cached = snapshot["num_tokens"][rid] - 1
+        for i, page in enumerate(table):
+            owner[page] = (rid, i, min(bs, max(0, cached - i * bs)))
+    rows = -(-n // cols)
+    ax = _axes(ax, (min(cols, n) * 0.7 + 0.5, rows * 0.7 + 0.5 + 0.25 * len(snapshot["block_tables"])))
+    for page in range(n):
+        r, c = divmod(page, cols)
+        ax.add_patch(Rectangle((c, -r), 0.95, 0.9, facecolor="white", edgecolor="0.6", lw=0.6))
+        ax.text(c + 0.05, -r + 0.8, str(page), fontsize=5, color="0.4", va="top")
+        if page in owner:
+            rid, i, used = owner[page]
+            ax.add_patch(Rectangle((c, -r), 0.95 * used / bs, 0.6, facecolor=request_color(rid), alpha=0.9))
+            ax.text(c + 0.47, -r + 0.3, f"r{rid}.{i}", fontsize=6, ha="center", va="center")
+    lines = [f"r{rid}: pages {table}  ({snapshot['num_tokens'][rid] - 1} tokens cached)"
+             for rid, table in snapshot["block_tables"].items()]
+    ax.text(0, -rows - 0.1, "\n".join(lines) or "(no running request)", fontsize=7, va="top",
+            family="monospace")
+    ax.set_xlim(-0.1, min(cols, n))
+    ax.set_ylim(-rows - 0.3 - 0.3 * len(lines), 1.0)
+    ax.set_axis_off()
+    free = snapshot["free_blocks"]
+    ax.set_title(title or f"pool of {n} pages x {bs} tokens: {n - free} used, {free} free", fontsize=9)
+    return ax
