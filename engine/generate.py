@@ -35,6 +35,18 @@ class ChatSession:
         self.cache = KVCache.contiguous(model.config, 1, self.max_context, model.backend)
         self.cached: list[int] = []          # tokens whose K/V are in the cache, in order
         self.finish_reason: str | None = None
+        self._graph = None                   # GPU: the decode step as a CUDA graph (built on first use)
+
+    def _decode_step(self, token: int, start: int):
+        """One token at position `start`: a CUDA graph replay on the GPU, a plain forward on the CPU."""
+        if not self.model.backend.is_gpu:
+            return self._forward([token], start)
+        if self._graph is None:
+            from engine.cuda_graph import DecodeGraph
+            self._graph = DecodeGraph(self.model, self.cache, token, start)
+        logits = self._graph(token, start)
+        self.cached = self.cached[:start] + [token]
+        return logits
 
     def reset(self) -> None:
         self.cached = []
@@ -65,5 +77,5 @@ class ChatSession:
                 return
             if len(self.cached) + 1 >= self.max_context or step + 1 == params.max_new_tokens:
                 break
-            logits = self._forward([token], len(self.cached))
+            logits = self._decode_step(token, len(self.cached))
         self.finish_reason = "length"

@@ -107,20 +107,29 @@ class Model:
     # ------------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None):
         """Logits [R, V] (float32, on the backend's device) of batch.logits_rows (default: all)."""
-        cfg, w, xp, gpu = self.config, self.weights, self.backend.xp, self.backend.is_gpu
         if batch.num_tokens and int(batch.positions.max()) >= self.max_context:
             raise ValueError(f"position {int(batch.positions.max())} is past the context of {self.max_context}")
         if cache is None and not batch.fresh:
             raise ValueError("without a KV cache every sequence must start at position 0")
         dev = self._to_backend                                     # host int32 -> device once per step
-        ids, pos = dev(batch.token_ids), dev(batch.positions)
-        uses_cache_attention = cache is not None and not batch.fresh
-        if cache is not None:
-            slots = dev(batch.slot_mapping)
-        if uses_cache_attention:
-            tables, seq_idx = dev(batch.block_tables), dev(batch.seq_idx)
-            longest = int(batch.positions.max()) + 1              # sizes the attention's context split
+        cached = cache is not None and not batch.fresh
+        return self.run(
+            dev(batch.token_ids), dev(batch.positions), batch.cu_seqlens, cache,
+            slots=dev(batch.slot_mapping) if cache is not None else None,
+            tables=dev(batch.block_tables) if cached else None,
+            seq_idx=dev(batch.seq_idx) if cached else None,
+            longest=int(batch.positions.max()) + 1 if cached else None,
+            logits_rows=None if batch.logits_rows is None else dev(batch.logits_rows))
 
+    def run(self, ids, pos, cu_seqlens, cache=None, *, slots=None, tables=None, seq_idx=None,
+            longest=None, logits_rows=None):
+        """The layers on arrays already on the backend's device: no host<->device traffic here, so a
+        GPU decode step can be captured once as a CUDA graph and replayed (engine/cuda_graph.py).
+
+        With `tables` given, attention reads the cache (paged kernel; `longest` bounds the context);
+        otherwise each sequence of cu_seqlens (host) attends to its own tokens (prefill).
+        """
+        cfg, w = self.config, self.weights
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)
         for i, lw in enumerate(w.layers):
@@ -130,10 +139,10 @@ class Model:
             if cache is not None:
                 k_cache, v_cache = cache.layer(i)
                 kv_write(qkv, slots, k_cache, v_cache, cfg)
-            if uses_cache_attention:
+            if tables is not None:
                 attn = paged_attention(qkv, k_cache, v_cache, tables, seq_idx, pos, cfg, longest)
             else:
-                attn = prefill_attention(qkv, batch.cu_seqlens, cfg)   # [T, Hq*D]
+                attn = prefill_attention(qkv, cu_seqlens, cfg)     # [T, Hq*D]
             o = linear(attn, lw.o)                                 # [T, H] fp32
             h = add_rmsnorm(x, o, lw.post_norm, cfg.rms_norm_eps)  # x += o; h = norm(x)
             # --- MLP block ---
@@ -141,8 +150,8 @@ class Model:
             down = linear(swiglu(gate_up), lw.down)                # [T, H] fp32
             next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm
             h = add_rmsnorm(x, down, next_norm, cfg.rms_norm_eps)  # x += down; h = norm(x) (final norm last)
-        if batch.logits_rows is not None:
-            h = h[dev(batch.logits_rows)] if gpu else h[batch.logits_rows]
+        if logits_rows is not None:
+            h = h[logits_rows]
         return linear(h, w.lm_head)                                # [R, V] fp32
 
     def logits(self, token_ids) -> np.ndarray:

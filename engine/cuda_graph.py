@@ -1,0 +1,60 @@
+"""Chapter 12: one decode step of one sequence, captured once as a CUDA graph and replayed.
+
+A decode step of a 1B model launches ~190 small kernels and cuBLAS calls. Launched one by one from
+Python, their launch overhead (~20 us each) costs more than the GPU work itself (~0.6 ms of weight
+reads at full bandwidth). A CUDA graph records the whole sequence of launches once; a replay
+submits all of them with one call. What makes that possible:
+
+  * every input lives in a fixed device buffer (token, position, slot), updated before each replay;
+  * Model.run does no host<->device traffic, and the attention kernel's context split is fixed
+    (sized for max_context; slices past a sequence's length are simply empty);
+  * every intermediate array comes from a private memory pool that nothing else allocates from,
+    so the addresses baked into the graph stay valid for as long as the graph lives.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.kv_cache import KVCache
+from engine.model import Model
+
+
+class DecodeGraph:
+    """Replays the decode step of sequence slot 0 of `cache` (a contiguous cache: one block).
+
+    Built on the first real decode step: the warm-up run that sizes the memory pool IS that step
+    (it writes the right K/V at the right position), then the capture records it without running.
+    """
+
+    def __init__(self, model: Model, cache: KVCache, token: int, position: int):
+        import cupy as cp
+        self.cp, self.model, self.cache = cp, model, cache
+        self.inputs = cp.zeros(3, dtype=cp.int32)               # [token, position, slot]
+        self.host = np.zeros(3, dtype=np.int32)
+        self.tables = cp.zeros((1, 1), dtype=cp.int32)          # block table [[0]]
+        self.seq_idx = cp.zeros(1, dtype=cp.int32)
+        self.pool = cp.cuda.MemoryPool()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._set_inputs(token, position)
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            self._step()                                       # warm-up: compiles, sizes the pool
+            self.stream.synchronize()
+            self.stream.begin_capture()
+            self.logits = self._step()                         # [1, V] fp32, rewritten by each replay
+            self.graph = self.stream.end_capture()
+
+    def _set_inputs(self, token: int, position: int) -> None:
+        self.host[:] = (token, position, position)             # slot = position: one block of max_context
+        self.inputs.set(self.host, stream=self.stream)
+
+    def _step(self):
+        ids, pos, slots = self.inputs[0:1], self.inputs[1:2], self.inputs[2:3]
+        return self.model.run(ids, pos, None, self.cache, slots=slots, tables=self.tables,
+                              seq_idx=self.seq_idx, longest=self.model.max_context)
+
+    def __call__(self, token: int, position: int):
+        """Logits [1, V] of `token` fed at `position` (its K/V written into the cache)."""
+        self._set_inputs(token, position)
+        self.graph.launch(self.stream)
+        self.stream.synchronize()
+        return self.logits
