@@ -30,7 +30,9 @@
 #define NWARPS 4
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
+#ifndef UNROLL
 #define UNROLL 4                    // steps whose loads are issued before any math (latency hiding)
+#endif
 
 static_assert(HEAD_DIM >= 16 && HEAD_DIM <= 256 && (HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM: power of two in [16, 256]");
 static_assert(GROUP >= 1 && GROUP <= 8, "GROUP in [1, 8]");

@@ -1,0 +1,19 @@
+import numpy as np, cupy as cp, engine.ops.paged_attention as PA
+from engine.backend import load_kernel
+from engine.config import config_from_dict
+from engine.kernel_bench import Bench
+b = Bench(False)
+cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 2048, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64})
+for S, ctx in [(64, 2048), (1, 4096), (256, 1024)]:
+    mb = ctx // 16; NB = S * mb
+    tables = cp.asarray(np.random.default_rng(0).permutation(NB).astype(np.int32).reshape(S, mb))
+    kc = cp.zeros((NB, 16, 8, 64), cp.uint16) + 0x3f80; vc = kc.copy()
+    qkv = cp.zeros((S, cfg.qkv_dim), cp.uint16) + 0x3f80
+    seq = cp.arange(S, dtype=cp.int32); pos = cp.full(S, ctx - 1, dtype=cp.int32)
+    kv_bytes = S * ctx * 8 * 64 * 4
+    for unroll in (2, 4):
+        PA.load_kernel = lambda st, name, **d: load_kernel(st, name, UNROLL=unroll, **d)
+        for sp in (None, 1, 2, 4, 8):
+            ms = b.time_ms(lambda: PA.paged_attention(qkv, kc, vc, tables, seq, pos, cfg, ctx, splits=sp))
+            print(f"S={S} ctx={ctx} unroll={unroll} splits={sp or 'auto'}: {ms*1e3:.1f} us {kv_bytes/ms/1e6:.0f} GB/s ({100*kv_bytes/ms/1e6/b.copy_gbps:.0f}% of copy)")
