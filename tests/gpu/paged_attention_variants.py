@@ -1,3 +1,4 @@
+"""Time the paged decode-attention kernel for UNROLL x split variants (GPU; python tests/gpu/paged_attention_variants.py)."""
 import numpy as np, cupy as cp, engine.ops.paged_attention as PA
 from engine.backend import load_kernel
 from engine.config import config_from_dict
@@ -8,8 +9,8 @@ cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 
 for S, ctx in [(64, 2048), (1, 4096), (256, 1024)]:
     mb = ctx // 16; NB = S * mb
     tables = cp.asarray(np.random.default_rng(0).permutation(NB).astype(np.int32).reshape(S, mb))
-    kc = cp.zeros((NB, 16, 8, 64), cp.uint16) + 0x3f80; vc = kc.copy()
-    qkv = cp.zeros((S, cfg.qkv_dim), cp.uint16) + 0x3f80
+    kc, vc = b.bf16(NB, 16, 8, 64)[0], b.bf16(NB, 16, 8, 64)[0]     # random data, never zeros
+    qkv = b.bf16(S, cfg.qkv_dim)[0]
     seq = cp.arange(S, dtype=cp.int32); pos = cp.full(S, ctx - 1, dtype=cp.int32)
     kv_bytes = S * ctx * 8 * 64 * 4
     for unroll in (2, 4):
