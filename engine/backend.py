@@ -236,6 +236,81 @@ def round_to_bf16(x) -> np.ndarray:
 _CUDA_DTYPE = {np.dtype(np.uint16): 14, np.dtype(np.float32): 0}   # CUDA_R_16BF, CUDA_R_32F
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
+_OP_N, _OP_T = 0, 1
+_WORKSPACE_BYTES = 32 * 2**20
+
+
+class _Cublas:
+    """cuBLAS called directly through ctypes, on a handle of our own.
+
+    Why not CuPy's cuBLAS bindings: they refuse to run while a stream is being captured into a CUDA
+    graph, and the decode step is captured (engine/cuda_graph.py). cuBLAS itself supports capture
+    once the handle has a preallocated workspace (no allocation may happen inside a capture).
+    """
+
+    def __init__(self):
+        import ctypes
+        import cupy
+        self.ctypes = ctypes
+        self.lib = ctypes.CDLL(_cublas_library_path())
+        self.handle = ctypes.c_void_p()
+        self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
+        self.workspace = cupy.empty(_WORKSPACE_BYTES, dtype=cupy.uint8)
+        self._check(self.lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self.workspace.data.ptr),
+                                                   ctypes.c_size_t(_WORKSPACE_BYTES)), "cublasSetWorkspace")
+        self.scalars = np.zeros(2, dtype=np.float32)    # alpha, beta (host pointer mode, the default)
+        c = ctypes
+        self.lib.cublasGemmEx.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
+                                          c.c_void_p, c.c_int, c.c_int, c.c_void_p, c.c_int, c.c_int, c.c_void_p,
+                                          c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int]
+        self.lib.cublasGemmStridedBatchedEx.argtypes = [
+            c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p,
+            c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_void_p,
+            c.c_void_p, c.c_int, c.c_int, c.c_longlong, c.c_int, c.c_int, c.c_int]
+        self.lib.cublasSetStream_v2.argtypes = [c.c_void_p, c.c_void_p]
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def gemm(self, op_b, m, n, k, alpha, beta, b, tb, ldb, sb, a, ta, lda, sa, c, tc, ldc, sc, batch):
+        import cupy
+        self._check(self.lib.cublasSetStream_v2(self.handle, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
+        self.scalars[:] = (alpha, beta)
+        pa = self.scalars.ctypes.data
+        pb = pa + 4
+        if batch == 1:
+            status = self.lib.cublasGemmEx(self.handle, op_b, _OP_N, m, n, k, pa, b, tb, ldb, a, ta, lda, pb,
+                                           c, tc, ldc, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        else:
+            status = self.lib.cublasGemmStridedBatchedEx(self.handle, op_b, _OP_N, m, n, k, pa, b, tb, ldb, sb,
+                                                         a, ta, lda, sa, pb, c, tc, ldc, sc, batch,
+                                                         _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        self._check(status, "cublasGemmEx")
+
+
+def _cublas_library_path() -> str:
+    """The libcublas CuPy uses (found by cuda-pathfinder), else the system's."""
+    import ctypes.util
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        return load_nvidia_dynamic_lib("cublas").abs_path
+    except Exception:
+        pass
+    for name in ("libcublas.so.13", "libcublas.so.12", ctypes.util.find_library("cublas")):
+        if name:
+            try:
+                ctypes.CDLL(name)
+                return name
+            except OSError:
+                continue
+    raise BackendError("cannot find libcublas (install the CUDA toolkit or the cuda extra)")
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas_for_device(device_id: int) -> _Cublas:
+    return _Cublas()
 
 
 def _matrix_layout(x, what: str):
@@ -258,9 +333,6 @@ def matmul(a, b, out, *, trans_b: bool = False, alpha: float = 1.0, beta: float 
     Views with a row stride (e.g. one head's columns of a [T, H*D] matrix) are fine; a 3-D
     operand's batch stride may be 0 to broadcast it.
     """
-    from cupy_backends.cuda.libs import cublas
-    import cupy
-
     if a.dtype != b.dtype or a.dtype not in _CUDA_DTYPE or out.dtype not in _CUDA_DTYPE:
         raise ValueError(f"matmul: unsupported dtypes a={a.dtype} b={b.dtype} out={out.dtype}")
     M, K = a.shape[-2:]
@@ -275,19 +347,9 @@ def matmul(a, b, out, *, trans_b: bool = False, alpha: float = 1.0, beta: float 
     lda, sa = _matrix_layout(a, "a")
     ldb, sb = _matrix_layout(b, "b")
     ldc, sc = _matrix_layout(out, "out")
-    op_b = cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
-    scal = np.array([alpha, beta], dtype=np.float32)
-    alpha_ptr, beta_ptr = scal.ctypes.data, scal.ctypes.data + 4
-    ta, tc = _CUDA_DTYPE[a.dtype], _CUDA_DTYPE[out.dtype]
-    if batch == 1 and out.ndim == 2:
-        cublas.gemmEx(handle, op_b, cublas.CUBLAS_OP_N, N, M, K, alpha_ptr,
-                      b.data.ptr, ta, ldb, a.data.ptr, ta, lda, beta_ptr,
-                      out.data.ptr, tc, ldc, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-    else:
-        cublas.gemmStridedBatchedEx(handle, op_b, cublas.CUBLAS_OP_N, N, M, K, alpha_ptr,
-                                    b.data.ptr, ta, ldb, sb, a.data.ptr, ta, lda, sa, beta_ptr,
-                                    out.data.ptr, tc, ldc, sc, batch,
-                                    _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    import cupy
+    _cublas_for_device(cupy.cuda.Device().id).gemm(
+        _OP_T if trans_b else _OP_N, N, M, K, alpha, beta,
+        b.data.ptr, _CUDA_DTYPE[b.dtype], ldb, sb, a.data.ptr, _CUDA_DTYPE[a.dtype], lda, sa,
+        out.data.ptr, _CUDA_DTYPE[out.dtype], ldc, sc, batch)
     return out

@@ -31,7 +31,7 @@
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
 #ifndef UNROLL
-#define UNROLL 4                    // steps whose loads are issued before any math (latency hiding)
+#define UNROLL 2                    // steps whose loads are issued before any math (latency hiding)
 #endif
 
 static_assert(HEAD_DIM >= 16 && HEAD_DIM <= 256 && (HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM: power of two in [16, 256]");
@@ -66,7 +66,7 @@ __device__ __forceinline__ void merge_into(float& m, float& l, float* acc, float
     m = m_new;
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, GROUP <= 4 ? 3 : 2)
+extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R, Hq*D] (row stride in elements)
                 const bf16* __restrict__ k_cache,                          // [NB, BS, Hkv, D]
                 const bf16* __restrict__ v_cache,                          // [NB, BS, Hkv, D]
@@ -108,19 +108,28 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
 
     const long long head_off = (long long)kvh * HEAD_DIM + d0;
     const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
-    for (int base = k_begin + warp * KPW * UNROLL; base < k_end; base += NWARPS * KPW * UNROLL) {
+    const int step = NWARPS * KPW * UNROLL;                // keys the whole block covers per iteration
+    // Cache slot of key j. Computed one iteration ahead, so that the block-table read is not a
+    // dependent load in front of every K/V load.
+    auto slot_of = [&](int j) -> long long {
+        return j < k_end ? (long long)table[j / block_size] * block_size + j % block_size : 0;
+    };
+    long long slot[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) slot[u] = slot_of(k_begin + warp * KPW * UNROLL + u * KPW + kg);
+    for (int base = k_begin + warp * KPW * UNROLL; base < k_end; base += step) {
         uint4 kraw[UNROLL], vraw[UNROLL];         // raw 16-byte vectors: 4 registers each, not 8
         bool valid[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {          // issue all loads first: UNROLL x 256 B in flight per key group
-            const int j = base + u * KPW + kg;
-            valid[u] = j < k_end;
+            valid[u] = base + u * KPW + kg < k_end;
             if (valid[u]) {
-                const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-                kraw[u] = *reinterpret_cast<const uint4*>(k_cache + slot * token_stride + head_off);
-                vraw[u] = *reinterpret_cast<const uint4*>(v_cache + slot * token_stride + head_off);
+                kraw[u] = *reinterpret_cast<const uint4*>(k_cache + slot[u] * token_stride + head_off);
+                vraw[u] = *reinterpret_cast<const uint4*>(v_cache + slot[u] * token_stride + head_off);
             }
         }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) slot[u] = slot_of(base + step + u * KPW + kg);   // next iteration's
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float kf[8], vf[8];

@@ -55,12 +55,13 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, s
 def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
     """How many slices of the context each (row, KV head) is cut into.
 
-    The kernel holds ~3 blocks per SM; with fewer than several waves of blocks the GPU idles (and a
-    last partial wave leaves SMs idle), so long contexts are split until there are ~12 blocks per
-    SM, keeping at least 128 keys per slice so that the merge stays cheap.
+    With fewer (row, KV head) blocks than about one wave (~3 per SM) most SMs would idle, so the
+    context is split until there are that many, keeping at least 128 keys per slice so that the
+    merge stays cheap. Measured on an H200: 64 sequences x 2,048 keys is fastest unsplit; one
+    sequence of 4,096 keys runs ~6x faster with 8+ slices than unsplit.
     """
     blocks = rows * n_kv_heads
-    wanted = -(-12 * n_sms // blocks)             # ceil
+    wanted = -(-3 * n_sms // blocks)              # ceil
     return int(max(1, min(wanted, -(-max_context // 128), 64)))
 
 
