@@ -30,6 +30,9 @@
 #define NWARPS 4
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
+#ifndef STREAMING_LOADS
+#define STREAMING_LOADS 0
+#endif
 #ifndef UNROLL
 #define UNROLL 2                    // steps whose loads are issued before any math (latency hiding)
 #endif
@@ -49,6 +52,15 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {   // 8 b
         out[2 * i] = f.x;
         out[2 * i + 1] = f.y;
     }
+}
+
+// K/V are read exactly once per step: with STREAMING_LOADS they bypass L1 (evict-first hint).
+__device__ __forceinline__ uint4 load_kv(const bf16* p) {
+#if STREAMING_LOADS
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+#else
+    return *reinterpret_cast<const uint4*>(p);
+#endif
 }
 
 __device__ __forceinline__ void load8(const bf16* p, float* out) {
@@ -124,8 +136,8 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
         for (int u = 0; u < UNROLL; ++u) {          // issue all loads first: UNROLL x 256 B in flight per key group
             valid[u] = base + u * KPW + kg < k_end;
             if (valid[u]) {
-                kraw[u] = *reinterpret_cast<const uint4*>(k_cache + slot[u] * token_stride + head_off);
-                vraw[u] = *reinterpret_cast<const uint4*>(v_cache + slot[u] * token_stride + head_off);
+                kraw[u] = load_kv(k_cache + slot[u] * token_stride + head_off);
+                vraw[u] = load_kv(v_cache + slot[u] * token_stride + head_off);
             }
         }
 #pragma unroll
