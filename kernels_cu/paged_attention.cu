@@ -30,6 +30,9 @@
 #define NWARPS 4
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1                // blocks per SM the register allocation must allow
+#endif
 #ifndef STREAMING_LOADS
 #define STREAMING_LOADS 0
 #endif
@@ -78,7 +81,7 @@ __device__ __forceinline__ void merge_into(float& m, float& l, float* acc, float
     m = m_new;
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R, Hq*D] (row stride in elements)
                 const bf16* __restrict__ k_cache,                          // [NB, BS, Hkv, D]
                 const bf16* __restrict__ v_cache,                          // [NB, BS, Hkv, D]
