@@ -34,7 +34,7 @@
 #define MIN_BLOCKS 1                // blocks per SM the register allocation must allow
 #endif
 #ifndef STREAMING_LOADS
-#define STREAMING_LOADS 0
+#define STREAMING_LOADS 1           // measured: a little faster on an H200
 #endif
 #ifndef UNROLL
 #define UNROLL 2                    // steps whose loads are issued before any math (latency hiding)
