@@ -201,7 +201,8 @@ def _point_at_source(log: str, path: Path) -> str:
 # ----------------------------------------------------------------------------------------------
 
 def f32_to_bf16(x) -> np.ndarray:
-    """float32 -> bf16 bits (uint16), round-to-nearest-even; NaN -> 0x7FC0 like PyTorch."""
+    """float32 -> bf16 bits (uint16), round-to-nearest-even (bit-exact with PyTorch for every
+    non-NaN value); NaN -> 0x7FC0, the canonical quiet NaN of PyTorch's scalar conversion."""
     x = np.asarray(x, dtype=np.float32)
     shape = x.shape
     x = np.ascontiguousarray(x).reshape(-1)           # 0-d arrays too

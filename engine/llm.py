@@ -11,6 +11,7 @@ sequence). Every combination returns the same greedy tokens: the tests hold them
 """
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,14 +80,14 @@ class LLM:
         return min(wanted, 1024.0)
 
     def _allocate_cache(self, kv_cache_mib):
+        mib = self._default_kv_mib() if kv_cache_mib is None else kv_cache_mib
         if self.kv_cache_kind == "contiguous":
             per_slot = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4) * self.max_context
-            slots = self.max_seqs if kv_cache_mib is None else int(kv_cache_mib * 2**20 // per_slot)
+            slots = int(mib * 2**20 // per_slot)
             if slots < 1:
-                raise ValueError(f"kv_cache_mib={kv_cache_mib} cannot hold one slot of {self.max_context} tokens")
+                raise ValueError(f"a KV cache of {mib:.0f} MiB cannot hold one slot of {self.max_context} tokens")
             self.max_seqs = min(self.max_seqs, slots)
-            return KVCache.contiguous(self.config, slots, self.max_context, self.backend)
-        mib = self._default_kv_mib() if kv_cache_mib is None else kv_cache_mib
+            return KVCache.contiguous(self.config, self.max_seqs, self.max_context, self.backend)
         return KVCache.paged(self.config, mib, self.page_size, self.backend)
 
     def new_scheduler(self) -> Scheduler:
@@ -112,8 +113,8 @@ class LLM:
 
         Every request is checked before anything runs: a ValueError leaves nothing behind.
         """
-        if isinstance(prompts, str) or (len(prompts) and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (len(prompts) and all(isinstance(t, numbers.Integral) for t in prompts)):
+            prompts = [prompts]     # one prompt (text or token ids) rather than a list of them
         params = params if params is not None else SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):

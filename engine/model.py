@@ -98,7 +98,7 @@ class Model:
         ids = np.asarray(token_ids)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError("token ids must be a non-empty 1-D sequence")
-        if not np.issubdtype(ids.dtype, np.integer):
+        if any(isinstance(t, (bool, np.bool_)) for t in token_ids) or not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got min {ids.min()} max {ids.max()}")

@@ -5,6 +5,7 @@ GPU kernel in kernels_cu/sampling.cu reproduces. Temperature 0 means greedy (arg
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,17 +23,17 @@ class SamplingParams:
     ignore_eos: bool = False   # keep generating past eos (benchmarks)
 
     def __post_init__(self):
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+        def is_int(v):      # Python or NumPy integers, never bools
+            return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+        if not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, (bool, np.bool_)) \
                 or not self.temperature >= 0 or self.temperature == float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
+        if not isinstance(self.top_p, numbers.Real) or isinstance(self.top_p, (bool, np.bool_)) \
                 or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):

@@ -51,6 +51,16 @@ def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy:
     return sched.step_log
 
 
+def demo_workload(num_requests: int = 12, seed: int = 0, vocab_size: int = 397):
+    """The small workload of chapters 09-11: (prompts as token-id lists, one SamplingParams each).
+    Prompts of 8-64 tokens, 4-64 new tokens, eos ignored so that every request generates exactly
+    what it asked for (ids 3.. avoid the tiny model's special tokens)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab_size, int(n)).tolist() for n in rng.integers(8, 65, num_requests)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(4, 65, num_requests)]
+    return prompts, params
+
+
 def run_hinted_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
                       hints: Sequence[tuple[str, Callable]] = (),
                       same: Callable[[object, object], bool] = lambda got, want: got == want) -> bool:

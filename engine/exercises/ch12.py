@@ -12,6 +12,7 @@ from engine.config import LlamaConfig
 from engine.exercises.ch00 import run_checks
 from engine.exercises.ch08 import config_label, preset_config
 from engine.paged_kv import PageAllocator, SlotAllocator
+from engine.plots import summarize
 from engine.random_model import write_random_model
 from engine.sampling import SamplingParams
 
@@ -157,9 +158,8 @@ def check_paged_fit(fn: Callable) -> bool:
 
 def step_log_summary_ref(step_log: list[dict]) -> tuple[int, int, float]:
     """(prefill steps, decode steps, mean rows of the decode steps) of LLM.last_step_log."""
-    decode_rows = [s["rows"] for s in step_log if s["kind"] == "decode"]
-    prefill = sum(1 for s in step_log if s["kind"] == "prefill")
-    return prefill, len(decode_rows), float(np.mean(decode_rows)) if decode_rows else 0.0
+    totals = summarize(step_log)
+    return totals["prefill_steps"], totals["decode_steps"], totals["mean_decode_rows"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,8 +2,9 @@
 
 A head vector x of size D is split in halves (x1, x2); pair i rotates by the angle pos * inv_freq[i]:
     y1 = x1 * cos - x2 * sin,    y2 = x2 * cos + x1 * sin.
-The cos/sin tables are computed once for every position the model can see, in float32 exactly as
-transformers does, so both backends rotate by the same angles. Positions are always passed in
+The cos/sin tables are computed once for every position the model can see, in float32 the way
+transformers does (NumPy's and torch's float32 pow can differ by an ulp for some frequencies), and
+both backends rotate by the same tables. Positions are always passed in
 explicitly: a decode step or a packed batch mixes tokens at many absolute positions.
 """
 from __future__ import annotations
