@@ -44,8 +44,11 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, s
     for r in range(R):
         ctx = int(positions[r]) + 1
         pages = block_tables[seq_idx[r], : (ctx + BS - 1) // BS]
-        keys = k_cache[pages].reshape(-1, Hkv, D)[:ctx]                     # [ctx, Hkv, D]
-        values = v_cache[pages].reshape(-1, Hkv, D)[:ctx]
+        if len(pages) == 1:      # one block (always, for a contiguous cache): a view, no copy
+            keys, values = k_cache[pages[0], :ctx], v_cache[pages[0], :ctx]    # [ctx, Hkv, D]
+        else:                    # gather the pages in table order, then drop the unused tail
+            keys = k_cache[pages].reshape(-1, Hkv, D)[:ctx]
+            values = v_cache[pages].reshape(-1, Hkv, D)[:ctx]
         qg = q[r].reshape(Hkv, Hq // Hkv, D)                                 # [Hkv, r, D]
         p = softmax(np.einsum("grd,sgd->grs", qg, keys) * np.float32(scale))  # [Hkv, r, ctx]
         out[r] = np.einsum("grs,sgd->grd", p, values).reshape(Hq, D)
