@@ -290,7 +290,17 @@ def main(argv=None) -> int:
     if hf is not None:
         setup["hf_version"] = hf.version
     needs_model = set(args.scenario) & {"parity", "prefill", "decode"}
-    model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8)) if needs_model else None
+    model = None
+    if needs_model:
+        t = time.perf_counter()
+        model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8))
+        sync(backend)
+        seconds = time.perf_counter() - t
+        from engine.safetensors import open_checkpoint
+        with open_checkpoint(model_dir) as ckpt:
+            stored = ckpt.nbytes
+        emit({**setup, "scenario": "load", "seconds": round(seconds, 2), "checkpoint_gb": round(stored / 1e9, 3),
+              "gb_per_s": round(stored / seconds / 1e9, 2)})
     if "parity" in args.scenario:
         scenario_parity(args, setup, model, model_dir, hf)
     if "prefill" in args.scenario:
