@@ -71,3 +71,18 @@ def test_seeded_sampling_reproducible_on_gpu(model_dir):
     a = llm.generate([[5, 6, 7, 8]] * 3, p)
     b = llm.generate([[5, 6, 7, 8]] * 3, p)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_hello_kernels():
+    """Chapter 00's first kernels: y = a*x + b, and bf16 bits -> fp32 for all 65,536 patterns."""
+    import cupy as cp
+    from engine.backend import bf16_to_f32, load_kernel
+    n = 1_000_003
+    x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+    y = cp.full(n, np.nan, dtype=cp.float32)
+    load_kernel("hello", "axpb")((256,), (256,), (cp.asarray(x), y, np.float32(1.5), np.float32(-2.0), np.int64(n)))
+    np.testing.assert_allclose(y.get(), 1.5 * x - 2.0, rtol=1e-6, atol=1e-6)
+    bits = np.arange(65536, dtype=np.uint16)
+    out = cp.full(65536, 7.0, dtype=cp.float32)
+    load_kernel("hello", "bf16_bits_to_f32")((64,), (256,), (cp.asarray(bits), out, np.int64(65536)))
+    np.testing.assert_array_equal(out.get().view(np.uint32), bf16_to_f32(bits).view(np.uint32))
