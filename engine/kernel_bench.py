@@ -287,7 +287,7 @@ class Bench:
 
     def sampling(self):
         from engine.sampling import SamplingParams, sample, sample_ref
-        for R, V in [(6, 1001), (64, 128256)]:
+        for R, V in [(6, 1001), (256, 128256)]:
             lg, lg_h = self.f32(R, V, scale=3)
             knobs = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (0.8, 0, 0.9), (1.2, 40, 0.8), (0.5, 1, 1.0)]
             params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in (knobs * R)[:R]]

@@ -87,8 +87,8 @@ def keep_mask(logits: np.ndarray, temperature: float, top_k: int, top_p: float) 
         keep = p >= np.partition(p, p.size - top_k)[p.size - top_k]
     if top_p < 1.0:
         kept = np.sort(p[keep])[::-1]
-        cum = np.cumsum(kept, dtype=np.float32)
-        n = int(np.searchsorted(cum, np.float32(top_p) * cum[-1], side="left"))
+        cum = np.cumsum(kept, dtype=np.float64)     # float64: a float32 running sum over 128k terms drifts
+        n = int(np.searchsorted(cum, top_p * cum[-1], side="left"))
         keep &= p >= kept[min(n, kept.size - 1)]
     return p, keep
 
@@ -97,10 +97,10 @@ def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     """Inverse CDF over the kept tokens in index order; temperature 0 returns the first argmax."""
     p, keep = keep_mask(logits, temperature, top_k, top_p)
     mass = np.where(keep, p, np.float32(0))
-    cum = np.cumsum(mass, dtype=np.float32)
+    cum = np.cumsum(mass, dtype=np.float64)         # the exact CDF the GPU's blocked scan approximates
     if temperature == 0:
         u = 0.0
-    i = int(np.searchsorted(cum, np.float32(u) * cum[-1], side="right"))
+    i = int(np.searchsorted(cum, u * cum[-1], side="right"))
     return i if i < p.size and keep[i] else int(np.flatnonzero(keep)[-1])
 
 
