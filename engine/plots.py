@@ -238,7 +238,11 @@ def page_table(snapshot: dict, ax=None, cols: int = 16, title: str | None = None
         for i, page in enumerate(table):
             owner[page] = (rid, i, min(bs, max(0, cached - i * bs)))
     rows = -(-n // cols)
-    ax = _axes(ax, (min(cols, n) * 0.7 + 0.5, rows * 0.7 + 0.5 + 0.25 * len(snapshot["block_tables"])))
+    lines = [f"r{rid}: pages {table}  ({snapshot['num_tokens'][rid] - 1} tokens cached)"
+             for rid, table in snapshot["block_tables"].items()] or ["(no running request)"]
+    text_top = -(rows - 1) - 0.25                      # just below the last row of pages
+    bottom = text_top - 0.22 * len(lines) - 0.2
+    ax = _axes(ax, (min(cols, n) * 0.7 + 0.5, 0.55 * (1.0 - bottom) + 0.6))
     for page in range(n):
         r, c = divmod(page, cols)
         ax.add_patch(Rectangle((c, -r), 0.95, 0.9, facecolor="white", edgecolor="0.6", lw=0.6))
@@ -247,12 +251,9 @@ def page_table(snapshot: dict, ax=None, cols: int = 16, title: str | None = None
             rid, i, used = owner[page]
             ax.add_patch(Rectangle((c, -r), 0.95 * used / bs, 0.6, facecolor=request_color(rid), alpha=0.9))
             ax.text(c + 0.47, -r + 0.3, f"r{rid}.{i}", fontsize=6, ha="center", va="center")
-    lines = [f"r{rid}: pages {table}  ({snapshot['num_tokens'][rid] - 1} tokens cached)"
-             for rid, table in snapshot["block_tables"].items()]
-    ax.text(0, -rows - 0.1, "\n".join(lines) or "(no running request)", fontsize=7, va="top",
-            family="monospace")
+    ax.text(0, text_top, "\n".join(lines), fontsize=7, va="top", family="monospace")
     ax.set_xlim(-0.1, min(cols, n))
-    ax.set_ylim(-rows - 0.3 - 0.3 * len(lines), 1.0)
+    ax.set_ylim(bottom, 1.0)
     ax.set_axis_off()
     free = snapshot["free_blocks"]
     ax.set_title(title or f"pool of {n} pages x {bs} tokens: {n - free} used, {free} free", fontsize=9)

@@ -90,7 +90,7 @@ def test_gantt_has_one_bar_per_run_and_marks_preemptions():
     runs = sum(len(plots._runs(states)) for states in plots.request_timelines(log).values())
     assert len(ax.patches) == runs
     assert len(ax.collections) == 1 and len(ax.collections[0].get_offsets()) == preemptions
-    assert ax.get_title() == "tight pool"
+    assert ax.get_title(loc="left") == "tight pool"
 
 
 def test_occupancy_memory_bars_and_lines():
