@@ -115,6 +115,14 @@ def test_ch08_sampling(capsys):
     accepts(ch08.check_top_p_keep, top_p_keep, capsys)
     rejects(ch08.check_top_p_keep, ch08._top_p_exclusive, capsys, "crosses top_p")
     rejects(ch08.check_top_p_keep, lambda p, tp: p >= tp, capsys, "cumulative")
+
+    def ascending(probs, top_p):
+        order = np.argsort(probs)
+        n_keep = int(np.argmax(np.cumsum(probs[order]) >= top_p)) + 1
+        keep = np.zeros(len(probs), dtype=bool)
+        keep[order[:n_keep]] = True
+        return keep
+    rejects(ch08.check_top_p_keep, ascending, capsys, "most likely down")
     accepts(ch08.check_inverse_cdf, inverse_cdf, capsys)
     rejects(ch08.check_inverse_cdf, lambda p, u: int(np.searchsorted(np.cumsum(p), u * np.sum(p))), capsys)
     rejects(ch08.check_inverse_cdf, lambda p, u: int(np.argmax(p)), capsys)

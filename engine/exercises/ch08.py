@@ -8,7 +8,6 @@ from typing import Callable
 import numpy as np
 
 from engine.config import LlamaConfig, config_from_dict
-from engine.exercises.ch00 import run_checks
 from engine.exercises.ch03 import describe, run_array_checks
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, load_model
@@ -226,12 +225,20 @@ def _top_p_exclusive(probs, top_p):
     return keep
 
 
+def _top_p_ascending(probs, top_p):
+    """Another: accumulate from the least likely token up."""
+    order = np.argsort(probs, kind="stable")
+    n = int(np.searchsorted(np.cumsum(probs[order]), top_p))
+    keep = np.zeros(probs.shape, dtype=bool)
+    keep[order[:n + 1]] = True
+    return keep
+
+
 def check_top_p_keep(fn: Callable) -> bool:
     """fn(probs [V] summing to 1, top_p in (0, 1]) -> bool [V]: which tokens nucleus sampling keeps."""
     cases = [((probs, top_p), top_p_keep_ref(probs, top_p)) for probs, top_p in _top_p_cases(np.random.default_rng(2))]
     hints = [("the token that crosses top_p was dropped; it is kept (the kept mass must reach top_p)", _top_p_exclusive),
-             ("the least likely tokens were kept: sort from the most likely down",
-              lambda p, tp: top_p_keep_ref(-p + p.max() + p.min(), tp)),
+             ("the least likely tokens were kept: sort from the most likely down", _top_p_ascending),
              ("that keeps the tokens whose own probability is >= top_p; top-p is about the cumulative mass",
               lambda p, tp: p >= tp)]
     return run_array_checks("top_p_keep", fn, cases, rtol=0, atol=0, hints=hints)
@@ -249,7 +256,7 @@ def check_inverse_cdf(fn: Callable) -> bool:
     """fn(probs [V] >= 0, not necessarily normalized, u in [0, 1)) -> the sampled index: walk the
     vocabulary in index order and return the first token whose running mass exceeds u * total."""
     rng = np.random.default_rng(3)
-    cases = [((np.array([0.5, 0.25, 0.25]), u), i) for u, i in ((0.0, 0), (0.49, 0), (0.5, 1), (0.74, 1), (0.75, 2), (0.99, 2))]
+    cases = [((np.array([0.5, 0.25, 0.25]), u), i) for u, i in ((0.0, 0), (0.49, 0), (0.74, 1), (0.5, 1), (0.75, 2), (0.99, 2))]
     cases += [((np.array([0.0, 2.0, 0.0, 2.0]), 0.0), 1), ((np.array([0.0, 2.0, 0.0, 2.0]), 0.6), 3),
               ((np.array([3.0]), 0.3), 0)]
     for _ in range(12):
@@ -258,8 +265,12 @@ def check_inverse_cdf(fn: Callable) -> bool:
         probs[int(rng.integers(probs.size))] = 1.0
         u = float(rng.random())
         cases.append(((probs, u), inverse_cdf_ref(probs, u)))
-    return run_checks("inverse_cdf", fn, [(args, want) for args, want in cases],
-                      same=lambda got, want: int(got) == want)
+    hints = [("that returns the first index whose running sum *reaches* u x total; it must exceed it "
+              "(otherwise a zero-weight token before the pick, or u = 0, goes wrong)",
+              lambda p, u: np.searchsorted(np.cumsum(p), u * np.sum(p), side="left")),
+             ("that is the most likely token, not a draw", lambda p, u: np.argmax(p))]
+    return run_array_checks("inverse_cdf", fn, [(args, np.array(want)) for args, want in cases],
+                            rtol=0, atol=0, hints=hints)
 
 
 # ----------------------------------------------------------------------------- KV memory

@@ -1,7 +1,6 @@
 """Chapter 12 exercises: the decode speed limit, what fits in a KV pool, reading a serving log."""
 from __future__ import annotations
 
-import functools
 import math
 import tempfile
 from typing import Callable
@@ -9,7 +8,6 @@ from typing import Callable
 import numpy as np
 
 from engine.config import LlamaConfig
-from engine.exercises.ch00 import run_checks
 from engine.exercises.ch08 import config_label, preset_config
 from engine.paged_kv import PageAllocator, SlotAllocator
 from engine.plots import summarize
@@ -84,10 +82,9 @@ def check_decode_floor(fn: Callable) -> bool:
     """fn(config, batch, context_len, bandwidth_gbps, bytes_per_value) -> the decode tokens/s that memory
     bandwidth allows: a step reads all weights once and the K/V of context_len tokens per sequence."""
     llama, smol = preset_config("llama-3.2-1b"), preset_config("smollm2-135m")
-    cases = [((llama, 1, 256, 4200.0, 2), None), ((llama, 64, 1024, 4200.0, 2), None),
-             ((llama, 256, 600, 4200.0, 2), None), ((smol, 1, 128, 18.0, 4), None),
-             ((smol, 16, 4096, 3350.0, 2), None), ((llama, 1, 0, 1000.0, 1), None)]
-    cases = [(args, decode_floor_ref(*args)) for args, _ in cases]
+    setups = [(llama, 1, 256, 4200.0, 2), (llama, 64, 1024, 4200.0, 2), (llama, 256, 600, 4200.0, 2),
+              (smol, 1, 128, 18.0, 4), (smol, 16, 4096, 3350.0, 2), (llama, 1, 0, 1000.0, 1)]
+    cases = [(args, decode_floor_ref(*args)) for args in setups]
     hints = [("the K/V reads are missing (they dominate at large batch x context)",
               lambda c, b, n, bw, bpv: b * bw * 1e9 / (c.num_parameters() * bpv)),
              ("that is steps/s; a step produces one token per sequence: multiply by the batch",
@@ -162,24 +159,21 @@ def step_log_summary_ref(step_log: list[dict]) -> tuple[int, int, float]:
     return totals["prefill_steps"], totals["decode_steps"], totals["mean_decode_rows"]
 
 
-@functools.lru_cache(maxsize=None)
-def _tiny_llm_dir() -> str:
-    return str(write_random_model(tempfile.mkdtemp(prefix="ch12_") + "/tiny", "tiny", seed=12, dtype="F32"))
-
-
 def serving_logs() -> list[list[dict]]:
     """Real step logs of engine.LLM on a tiny random model: static and continuous, roomy and tight pools."""
     from engine.llm import LLM
     rng = np.random.default_rng(5)
     logs = []
-    for batching, kv, mib, max_seqs in (("continuous", "paged", None, 4), ("static", "contiguous", None, 4),
-                                        ("continuous", "paged", 0.05, 8)):
-        llm = LLM(_tiny_llm_dir(), "numpy", batching=batching, kv_cache=kv, kv_cache_mib=mib,
-                  max_context=96, max_seqs=max_seqs)
-        prompts = [[int(t) for t in rng.integers(3, 300, int(rng.integers(2, 20)))] for _ in range(7)]
-        params = [SamplingParams(max_new_tokens=int(rng.integers(1, 30)), ignore_eos=True) for _ in prompts]
-        llm.generate(prompts, params)
-        logs.append(llm.last_step_log)
+    with tempfile.TemporaryDirectory(prefix="ch12_") as d:
+        model_dir = write_random_model(f"{d}/tiny", "tiny", seed=12, dtype="F32")
+        for batching, kv, mib, max_seqs in (("continuous", "paged", None, 4), ("static", "contiguous", None, 4),
+                                            ("continuous", "paged", 0.05, 8)):
+            llm = LLM(model_dir, "numpy", batching=batching, kv_cache=kv, kv_cache_mib=mib,
+                      max_context=96, max_seqs=max_seqs)
+            prompts = [[int(t) for t in rng.integers(3, 300, int(rng.integers(2, 20)))] for _ in range(7)]
+            params = [SamplingParams(max_new_tokens=int(rng.integers(1, 30)), ignore_eos=True) for _ in prompts]
+            llm.generate(prompts, params)
+            logs.append(llm.last_step_log)
     return logs
 
 
@@ -189,8 +183,7 @@ def check_step_log_summary(fn: Callable) -> bool:
     cases = [((log,), step_log_summary_ref(log)) for log in serving_logs()] + [(([],), (0, 0, 0.0))]
 
     def same(got, want):
-        return len(got) == 3 and [int(g) for g in got[:2]] == list(want[:2]) and _close(got[2], want[2]) \
-            if want[2] else len(got) == 3 and [int(g) for g in got[:2]] == list(want[:2]) and float(got[2]) == 0.0
+        return len(got) == 3 and [int(g) for g in got[:2]] == list(want[:2]) and _close(got[2], want[2])
 
     def mean_over_all_steps(log):
         rows = [s["rows"] for s in log]
