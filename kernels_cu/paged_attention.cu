@@ -6,10 +6,8 @@
 // The cache of one layer is [num_blocks, BS, Hkv, D] in bf16; a contiguous cache is the case of
 // one block of BS = max_context per sequence, so the same kernel serves chapters 08-11.
 //
-// Grid: (rows, Hkv * GROUP / HPB, splits). One block serves ONE KV head and HPB of the GROUP query
-// heads that share it (GQA): each key/value vector is loaded once per block and used HPB times.
-// HPB = GROUP loads K/V exactly once; a smaller HPB keeps fewer registers per thread (more warps in
-// flight) while the sibling blocks' reads of the same K/V mostly hit L2. No score matrix exists:
+// Grid: (rows, Hkv, splits). One block serves ONE KV head and ALL the GROUP query heads that share
+// it (GQA): each key/value vector is loaded once and used GROUP times. No score matrix exists:
 // keys stream through and a running (max m, sum l, weighted sum acc) per query head is updated,
 //     m' = max(m, s),  l' = l*exp(m - m') + exp(s - m'),  acc' = acc*exp(m - m') + exp(s - m')*v.
 // Thread layout inside the block: 4 warps; a key's D values are split across LPK = D/8 lanes,
@@ -29,10 +27,6 @@
 #ifndef GROUP
 #define GROUP 4
 #endif
-#ifndef HEADS_PER_BLOCK
-#define HEADS_PER_BLOCK GROUP       // query heads of the group served by one block (GROUP / HPB blocks per KV head)
-#endif
-#define HPB HEADS_PER_BLOCK
 #define NWARPS 4
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
@@ -48,10 +42,9 @@
 
 static_assert(HEAD_DIM >= 16 && HEAD_DIM <= 256 && (HEAD_DIM & (HEAD_DIM - 1)) == 0, "HEAD_DIM: power of two in [16, 256]");
 static_assert(GROUP >= 1 && GROUP <= 8, "GROUP in [1, 8]");
-static_assert(GROUP % HPB == 0, "HEADS_PER_BLOCK must divide GROUP");
 
-struct State {               // running softmax state of one lane for every query head of the block
-    float m[HPB], l[HPB], acc[HPB][8];
+struct State {               // running softmax state of one lane for every query head of the group
+    float m[GROUP], l[GROUP], acc[GROUP][8];
 };
 
 __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {   // 8 bf16 -> 8 fp32
@@ -99,9 +92,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
                 bf16* __restrict__ out, long long out_row_stride,          // [R, Hq*D]   (splits == 1)
                 float* __restrict__ part_ml,                               // [R, Hq, splits, 2] (splits > 1)
                 float* __restrict__ part_acc) {                            // [R, Hq, splits, D]
-    const int r = blockIdx.x, split = blockIdx.z, n_splits = gridDim.z;
-    const int kvh = blockIdx.y / (GROUP / HPB);                    // the KV head this block reads
-    const int head0 = kvh * GROUP + (blockIdx.y % (GROUP / HPB)) * HPB;   // its first query head
+    const int r = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kg = lane / LPK;                   // which key of the warp's step this lane works on
     const int d0 = (lane % LPK) * 8;             // first of this lane's 8 dimensions
@@ -114,16 +105,16 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
     const int k_end = min(ctx, k_begin + per_split);
 
     // This lane's slice of every query head of the group, pre-scaled so that exp2 gives exp(scale*q.k).
-    float qf[HPB][8];
+    float qf[GROUP][8];
 #pragma unroll
-    for (int g = 0; g < HPB; ++g) {
-        load8(q + r * q_row_stride + (long long)(head0 + g) * HEAD_DIM + d0, qf[g]);
+    for (int g = 0; g < GROUP; ++g) {
+        load8(q + r * q_row_stride + (long long)(kvh * GROUP + g) * HEAD_DIM + d0, qf[g]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2e;
     }
     State st;
 #pragma unroll
-    for (int g = 0; g < HPB; ++g) {
+    for (int g = 0; g < GROUP; ++g) {
         st.m[g] = -INFINITY;
         st.l[g] = 0.0f;
 #pragma unroll
@@ -160,7 +151,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
             unpack8(kraw[u], kf);
             unpack8(vraw[u], vf);
 #pragma unroll
-            for (int g = 0; g < HPB; ++g) {
+            for (int g = 0; g < GROUP; ++g) {
                 float s = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) s += qf[g][i] * (valid[u] ? kf[i] : 0.0f);
@@ -182,7 +173,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
 #pragma unroll
     for (int off = LPK; off < 32; off <<= 1) {
 #pragma unroll
-        for (int g = 0; g < HPB; ++g) {
+        for (int g = 0; g < GROUP; ++g) {
             float acc2[8];
             const float m2 = __shfl_xor_sync(0xffffffffu, st.m[g], off);
             const float l2 = __shfl_xor_sync(0xffffffffu, st.l[g], off);
@@ -192,11 +183,11 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
         }
     }
     // Merge the warps through shared memory: lanes 0..LPK-1 of each warp hold its whole state.
-    __shared__ float sh_ml[NWARPS][HPB][2];
-    __shared__ float sh_acc[NWARPS][HPB][HEAD_DIM];
+    __shared__ float sh_ml[NWARPS][GROUP][2];
+    __shared__ float sh_acc[NWARPS][GROUP][HEAD_DIM];
     if (lane < LPK) {
 #pragma unroll
-        for (int g = 0; g < HPB; ++g) {
+        for (int g = 0; g < GROUP; ++g) {
             if (lane == 0) { sh_ml[warp][g][0] = st.m[g]; sh_ml[warp][g][1] = st.l[g]; }
 #pragma unroll
             for (int i = 0; i < 8; ++i) sh_acc[warp][g][d0 + i] = st.acc[g][i];
@@ -204,7 +195,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
     }
     __syncthreads();
     // Each thread finishes some (head, dim) outputs by folding the NWARPS partial states.
-    for (int idx = threadIdx.x; idx < HPB * HEAD_DIM; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += blockDim.x) {
         const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
         float m = -INFINITY, l = 0.0f, acc = 0.0f;
 #pragma unroll
@@ -217,11 +208,11 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
             acc = acc * a + sh_acc[w][g][d] * b;
             m = m_new;
         }
-        const int h = head0 + g;
+        const int h = kvh * GROUP + g;
         if (n_splits == 1) {
             out[r * out_row_stride + (long long)h * HEAD_DIM + d] = f2bf(l > 0.0f ? acc / l : 0.0f);
         } else {
-            const long long p = ((long long)r * gridDim.y * HPB + h) * n_splits + split;   // gridDim.y * HPB = Hq
+            const long long p = ((long long)r * gridDim.y * GROUP + h) * n_splits + split;
             part_acc[p * HEAD_DIM + d] = acc;
             if (d == 0) { part_ml[2 * p] = m; part_ml[2 * p + 1] = l; }
         }

@@ -55,27 +55,21 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, s
     return out
 
 
-def choose_splits(rows: int, blocks_per_row: int, max_context: int, n_sms: int) -> int:
+def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
     """How many slices of the context each (row, KV head) is cut into.
 
-    With fewer blocks (rows x blocks per row) than about one wave (~3 per SM) most SMs would idle, so the
+    With fewer (row, KV head) blocks than about one wave (~3 per SM) most SMs would idle, so the
     context is split until there are that many, keeping at least 128 keys per slice so that the
     merge stays cheap. Measured on an H200: 64 sequences x 2,048 keys is fastest unsplit; one
     sequence of 4,096 keys runs ~6x faster with 8+ slices than unsplit.
     """
-    blocks = rows * blocks_per_row
+    blocks = rows * n_kv_heads
     wanted = -(-3 * n_sms // blocks)              # ceil
     return int(max(1, min(wanted, -(-max_context // 128), 64)))
 
 
-def heads_per_block(group: int) -> int:
-    """Query heads one block serves. Two (for even groups) halves the per-thread q and accumulator
-    registers, so more warps fit on an SM; the sibling block's reads of the same K/V hit L2."""
-    return 2 if group % 2 == 0 else group
-
-
 def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig,
-                    max_context: int, splits: int | None = None, hpb: int | None = None):
+                    max_context: int, splits: int | None = None):
     """Attention of every row of qkv [R, (Hq+2Hkv)*D] over the cache -> [R, Hq*D].
 
     CPU: fp32 reference. GPU: the paged_attention kernel, split along the context (plus the merge
@@ -93,18 +87,16 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     if R == 0:
         return out
     block_size = k_cache.shape[1]
-    hpb = hpb or heads_per_block(Hq // Hkv)
-    blocks_per_row = Hq // hpb                           # (KV head, slice of its query heads) pairs
     if splits is None:
-        splits = choose_splits(R, blocks_per_row, max_context, sm_count(cp.cuda.Device().id))
-    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv, HEADS_PER_BLOCK=hpb)
+        splits = choose_splits(R, Hkv, max_context, sm_count(cp.cuda.Device().id))
+    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv)
     if splits > 1:
         part_ml = cp.empty((R, Hq, splits, 2), dtype=cp.float32)
         part_acc = cp.empty((R, Hq, splits, D), dtype=cp.float32)
     else:
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
     load_kernel("paged_attention", "paged_attention", **kernel_args)(
-        (R, blocks_per_row, splits), (128,),
+        (R, Hkv, splits), (128,),
         (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
          seq_idx, positions, np.int32(block_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)),
          out, np.int64(Hq * D), part_ml, part_acc))
