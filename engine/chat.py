@@ -41,10 +41,10 @@ class Chat:
         from engine.config import load_config
         from engine.model import load_model
         from engine.tokenizer import load_tokenizer
+        config = load_config(model_dir)          # first: its error says "not a model directory"
         self.tokenizer = load_tokenizer(model_dir)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{model_dir} has no chat template (tokenizer_config.json): not a chat model")
-        config = load_config(model_dir)
         model = load_model(model_dir, backend, max_context or default_max_context(config.max_position_embeddings))
         eos = set(config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.session = ChatSession(model, eos)
@@ -82,7 +82,7 @@ class Chat:
 
 
 def interactive(chat: Chat, stats: bool) -> None:
-    print(f"engine.chat on {chat.backend_name}. {HELP}")
+    print(f"engine.chat on {chat.backend_name.rstrip('.')}. {HELP}")
     while True:
         try:
             text = input("\n>>> ").strip()
