@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from engine.backend import bf16_to_f32, f32_to_bf16, matmul, resolve_backend
+from engine.bench import copy_bandwidth
 
 BF16_TOL = 1e-2      # bf16 operands (8 significant bits), fp32 accumulation
 F32_TOL = 1e-5
@@ -37,7 +38,7 @@ class Bench:
         self.rng = np.random.default_rng(1234)
         self.quick = quick
         self.rows: list[dict] = []
-        self.copy_gbps = self.measure_copy_bandwidth()
+        self.copy_gbps = copy_bandwidth(self.backend)
 
     # -- helpers ------------------------------------------------------------------------------
     def bf16(self, *shape, scale=1.0):
@@ -90,15 +91,6 @@ class Bench:
             end.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, end) / reps)
         return float(np.median(times))
-
-    def measure_copy_bandwidth(self) -> float:
-        """Device-to-device copy of 2 GiB, counting bytes read + written."""
-        cp = self.cp
-        n = 2**29
-        a, b = cp.ones(n, dtype=cp.float32), cp.empty(n, dtype=cp.float32)
-        ms = self.time_ms(lambda: b.__setitem__(slice(None), a), reps=10)
-        del a, b
-        return 2 * n * 4 / (ms * 1e-3) / 1e9
 
     def record(self, kernel, shape, err, tol, ms=None, nbytes=None, flops=None, note=""):
         row = {"kernel": kernel, "shape": shape, "rel_err": err, "tol": tol, "ok": bool(err <= tol)}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.backend import resolve_backend
+from engine.config import load_config
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, load_model
 from engine.paged_kv import PageAllocator, SlotAllocator
@@ -53,7 +54,6 @@ class LLM:
             raise ValueError(f"kv_cache_mib must be > 0, got {kv_cache_mib!r}")
         b = resolve_backend(backend)
         model_dir = Path(model_dir)
-        from engine.config import load_config
         config = load_config(model_dir)
         self.max_context = max_context or default_max_context(config.max_position_embeddings)
         self.model: Model = load_model(model_dir, b, self.max_context)
