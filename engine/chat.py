@@ -66,8 +66,8 @@ class Chat:
         try:
             for token in self.session.stream(prompt_ids, self.params):
                 n += 1
-                if token in self.session.eos:
-                    break
+                if token in self.session.eos:   # the stream ends after it (finish_reason "stop")
+                    continue
                 piece = detok.push(token)
                 pieces.append(piece)
                 out.write(piece)
