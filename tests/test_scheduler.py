@@ -275,8 +275,9 @@ def setups(draw):
         # A pool between "the largest request barely does not fit" and "a third of everyone at once":
         # small enough to force waiting (conservative) and preemption (on demand).
         page_size = draw(st.integers(1, 8))
-        worst = [-(-(min(n + new, max_context) - 1) // page_size) for _, n, new, _ in requests]
-        largest, total = max(worst, default=1), sum(worst)
+        # (an empty prompt with nothing to generate needs no page: clamp at 0, and the pool at 1 page)
+        worst = [max(0, -(-(min(n + new, max_context) - 1) // page_size)) for _, n, new, _ in requests]
+        largest, total = max(worst + [1]), sum(worst)
         allocator = PageAllocator(draw(st.integers(max(1, largest - 1), max(largest, total // 3))),
                                   page_size)
     else:
