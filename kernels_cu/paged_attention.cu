@@ -11,14 +11,17 @@
 // keys stream through and a running (max m, sum l, weighted sum acc) per query head is updated,
 //     m' = max(m, s),  l' = l*exp(m - m') + exp(s - m'),  acc' = acc*exp(m - m') + exp(s - m')*v.
 // Thread layout inside the block: 4 warps; a key's D values are split across LPK = D/8 lanes,
-// each lane loading 8 bf16 (one 16-byte load), so one warp handles KPW = 32/LPK keys per step;
-// warps take interleaved groups of keys. The dot product is finished with LPK-lane shuffles.
+// each lane moving 8 bf16 (16 bytes), so one warp handles KPW = 32/LPK keys per step and UNROLL
+// steps per iteration; warps take interleaved groups of keys. K/V reach the lanes through shared
+// memory: cp.async copies run STAGES - 1 iterations ahead of the math, so many bytes are in flight
+// without holding registers (the kernel is bound by memory latency, not arithmetic). The dot
+// product is finished with LPK-lane shuffles.
 // At the end the per-lane states are merged (shuffles inside a warp, shared memory across warps).
 // With splits > 1 each block covers one slice of the context and writes its unnormalized state;
 // paged_attention_merge combines the slices (split-K, for when there are too few rows to fill the GPU).
 //
 // Compile-time constants (NVRTC -D options): HEAD_DIM (16..256, power of two) and GROUP (query
-// heads per KV head, 1..8).
+// heads per KV head, 1..8); STAGES, UNROLL and MIN_BLOCKS are tuning knobs (tests/gpu/).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -33,8 +36,8 @@
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1                // blocks per SM the register allocation must allow
 #endif
-#ifndef STREAMING_LOADS
-#define STREAMING_LOADS 1           // measured: a little faster on an H200
+#ifndef STAGES
+#define STAGES 3                    // iterations of K/V in flight through shared memory
 #endif
 #ifndef UNROLL
 #define UNROLL 2                    // steps whose loads are issued before any math (latency hiding)
@@ -57,13 +60,10 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {   // 8 b
     }
 }
 
-// K/V are read exactly once per step: with STREAMING_LOADS they bypass L1 (evict-first hint).
-__device__ __forceinline__ uint4 load_kv(const bf16* p) {
-#if STREAMING_LOADS
-    return __ldcs(reinterpret_cast<const uint4*>(p));
-#else
-    return *reinterpret_cast<const uint4*>(p);
-#endif
+// 16 bytes global -> shared without passing through registers (sm_80+); .cg: cache in L2 only.
+__device__ __forceinline__ void cp_async16(void* smem, const bf16* gmem) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(gmem));
 }
 
 __device__ __forceinline__ void load8(const bf16* p, float* out) {
@@ -124,27 +124,49 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
     const long long head_off = (long long)kvh * HEAD_DIM + d0;
     const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
     const int step = NWARPS * KPW * UNROLL;                // keys the whole block covers per iteration
-    // Cache slot of key j. Computed one iteration ahead, so that the block-table read is not a
-    // dependent load in front of every K/V load.
-    auto slot_of = [&](int j) -> long long {
-        return j < k_end ? (long long)table[j / block_size] * block_size + j % block_size : 0;
-    };
-    long long slot[UNROLL];
+    const int first = k_begin + warp * KPW * UNROLL;       // this warp's first key
+    const int n_iter = first < k_end ? (k_end - first + step - 1) / step : 0;
+
+    // K/V stream through shared memory with cp.async, STAGES - 1 iterations ahead of the math:
+    // the copies in flight cost no registers, so many more bytes are in flight per SM than
+    // register-staged loads allow. Each lane reads back only the 16-byte vectors it copied itself,
+    // so waiting for its own copy groups is all the synchronization needed.
+    // The pipeline's buffers and, once it has drained, the warps' partial states share one
+    // allocation (static shared memory is capped at 48 KB; HEAD_DIM 256 x GROUP 8 needs both halves).
+    __shared__ __align__(16) union {
+        uint4 kv[NWARPS][STAGES][UNROLL][2][32];
+        struct { float ml[NWARPS][GROUP][2]; float acc[NWARPS][GROUP][HEAD_DIM]; } merge;
+    } smem;
+    auto& kv_smem = smem.kv;
+    auto issue = [&](int it) {
+        if (it < n_iter) {
+            const int base = first + it * step;
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) slot[u] = slot_of(k_begin + warp * KPW * UNROLL + u * KPW + kg);
-    for (int base = k_begin + warp * KPW * UNROLL; base < k_end; base += step) {
-        uint4 kraw[UNROLL], vraw[UNROLL];         // raw 16-byte vectors: 4 registers each, not 8
-        bool valid[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {          // issue all loads first: UNROLL x 256 B in flight per key group
-            valid[u] = base + u * KPW + kg < k_end;
-            if (valid[u]) {
-                kraw[u] = load_kv(k_cache + slot[u] * token_stride + head_off);
-                vraw[u] = load_kv(v_cache + slot[u] * token_stride + head_off);
+            for (int u = 0; u < UNROLL; ++u) {
+                const int j = base + u * KPW + kg;
+                if (j < k_end) {
+                    const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                    cp_async16(&kv_smem[warp][it % STAGES][u][0][lane], k_cache + slot * token_stride + head_off);
+                    cp_async16(&kv_smem[warp][it % STAGES][u][1][lane], v_cache + slot * token_stride + head_off);
+                }
             }
         }
+        asm volatile("cp.async.commit_group;\n" ::);      // one group per iteration, empty ones too
+    };
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) slot[u] = slot_of(base + step + u * KPW + kg);   // next iteration's
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+    for (int it = 0; it < n_iter; ++it) {
+        issue(it + STAGES - 1);
+        asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 1));   // iteration `it` has landed
+        const int base = first + it * step;
+        bool valid[UNROLL];
+        uint4 kraw[UNROLL], vraw[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            valid[u] = base + u * KPW + kg < k_end;
+            kraw[u] = kv_smem[warp][it % STAGES][u][0][lane];
+            vraw[u] = kv_smem[warp][it % STAGES][u][1][lane];
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             float kf[8], vf[8];
@@ -169,6 +191,8 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
         }
     }
 
+    asm volatile("cp.async.wait_group 0;\n" ::);
+
     // Merge the KPW key groups of each warp: lanes with the same d0 combine through shuffles.
 #pragma unroll
     for (int off = LPK; off < 32; off <<= 1) {
@@ -183,8 +207,9 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
         }
     }
     // Merge the warps through shared memory: lanes 0..LPK-1 of each warp hold its whole state.
-    __shared__ float sh_ml[NWARPS][GROUP][2];
-    __shared__ float sh_acc[NWARPS][GROUP][HEAD_DIM];
+    auto& sh_ml = smem.merge.ml;
+    auto& sh_acc = smem.merge.acc;
+    __syncthreads();                 // every warp is done with the pipeline buffers they overlay
     if (lane < LPK) {
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {

@@ -1,4 +1,4 @@
-"""Time the paged decode-attention kernel for UNROLL x load-hint x split variants (GPU; python tests/gpu/paged_attention_variants.py)."""
+"""Time the paged decode-attention kernel for pipeline-stages x unroll x split variants (GPU; python tests/gpu/paged_attention_variants.py)."""
 import numpy as np, cupy as cp, engine.ops.paged_attention as PA
 from engine.backend import load_kernel
 from engine.config import config_from_dict
@@ -13,8 +13,8 @@ for S, ctx in [(64, 2048), (1, 4096), (256, 1024)]:
     qkv = b.bf16(S, cfg.qkv_dim)[0]
     seq = cp.arange(S, dtype=cp.int32); pos = cp.full(S, ctx - 1, dtype=cp.int32)
     kv_bytes = S * ctx * 8 * 64 * 4
-    for unroll, hint, mb in ((2, 1, 1), (2, 1, 5), (2, 0, 5), (2, 1, 6)):
-        PA.load_kernel = lambda st, name, **d: load_kernel(st, name, UNROLL=unroll, STREAMING_LOADS=hint, MIN_BLOCKS=mb, **d)
+    for stages, unroll in ((2, 2), (3, 2), (4, 2), (5, 1)):   # (3, 4) needs more than 48 KB of static smem
+        PA.load_kernel = lambda st, name, **d: load_kernel(st, name, STAGES=stages, UNROLL=unroll, **d)
         for sp in ((None,) if S > 1 else (None, 8)):
             ms = b.time_ms(lambda: PA.paged_attention(qkv, kc, vc, tables, seq, pos, cfg, ctx, splits=sp))
-            print(f"S={S} ctx={ctx} unroll={unroll} streaming={hint} min_blocks={mb} splits={sp or 'auto'}: {ms*1e3:.1f} us {kv_bytes/ms/1e6:.0f} GB/s ({100*kv_bytes/ms/1e6/b.copy_gbps:.0f}% of copy)")
+            print(f"S={S} ctx={ctx} stages={stages} unroll={unroll} splits={sp or 'auto'}: {ms*1e3:.1f} us {kv_bytes/ms/1e6:.0f} GB/s ({100*kv_bytes/ms/1e6/b.copy_gbps:.0f}% of copy)")
