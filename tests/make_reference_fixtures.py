@@ -35,6 +35,11 @@ FRANCE_ANSWER = "The capital of France is Paris."
 PROMPTS = [   # a chat prompt is rendered with the model's own chat template
     {"name": "france", "messages": FRANCE},
     {"name": "python", "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}]},
+    {"name": "system_colors", "messages": [{"role": "system", "content": "You answer in one short sentence."},
+                                           {"role": "user", "content": "Name three primary colors."}]},
+    {"name": "two_turns", "messages": [{"role": "user", "content": "Hi! My name is Ada."},
+                                       {"role": "assistant", "content": "Hello Ada! How can I help you today?"},
+                                       {"role": "user", "content": "What is my name?"}]},
     {"name": "numbers", "text": "In 2024 there were 366 days, 12 months and 52 weeks. Counting: 1, 2, 3,"},
     {"name": "story", "text": "Once upon a time, in a small village by the sea, there lived"},
 ]
