@@ -122,14 +122,6 @@ def is_device_array(x) -> bool:
     return type(x).__module__.startswith("cupy")
 
 
-def array_module(x):
-    """numpy or cupy, whichever owns `x`."""
-    if is_device_array(x):
-        import cupy
-        return cupy
-    return np
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernel loader: kernels_cu/<stage>.cu -> cupy.RawModule, compiled once per stage
 # ----------------------------------------------------------------------------------------------

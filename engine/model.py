@@ -63,11 +63,6 @@ class ForwardBatch:
         """Every sequence starts at position 0: its whole context is in this batch."""
         return bool(np.all(self.positions[self.cu_seqlens[:-1]] == 0))
 
-    @property
-    def last_rows(self) -> np.ndarray:
-        """The last token of each sequence: the rows sampled from."""
-        return (self.cu_seqlens[1:] - 1).astype(np.int32)
-
     @classmethod
     def single(cls, token_ids, start_pos: int = 0, block_table=None, block_size: int | None = None,
                logits_rows=None) -> "ForwardBatch":
