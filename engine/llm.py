@@ -126,17 +126,19 @@ class LLM:
         seeds = {rid: resolve_seed(sp) for rid, sp in zip(ids, plist)}
         results = {}
         while sched.has_unfinished():
-            self.step(sched, seeds)
+            if not self.step(sched, seeds):
+                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
             results.update((r.request_id, r) for r in sched.pop_finished())
         results.update((r.request_id, r) for r in sched.pop_finished())
         self.last_step_log = sched.step_log
         return [self._output(results[rid]) for rid in ids]
 
-    def step(self, sched: Scheduler, seeds: dict[int, int]) -> None:
-        """One forward pass of whatever the scheduler picks; a failure leaves its state unchanged."""
+    def step(self, sched: Scheduler, seeds: dict[int, int]) -> bool:
+        """One forward pass of whatever the scheduler picks; a failure leaves its state unchanged.
+        False when there was nothing to run."""
         batch = sched.schedule()
         if batch is None:
-            return
+            return False
         t0 = time.perf_counter()
         try:
             fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
@@ -149,6 +151,7 @@ class LLM:
             raise
         sched.complete(batch.batch_id, tokens.tolist())
         sched.step_log[-1]["seconds"] = time.perf_counter() - t0
+        return True
 
     def _output(self, result) -> RequestOutput:
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True) if self.tokenizer else ""

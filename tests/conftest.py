@@ -2,6 +2,14 @@
 import os
 import sys
 
+from hypothesis import settings
+
+# CI replays the same examples every run (a landing must not hinge on a lucky draw); locally,
+# hypothesis keeps exploring new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 try:
