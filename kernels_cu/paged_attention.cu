@@ -61,9 +61,24 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float* out) {   // 8 b
 }
 
 // 16 bytes global -> shared without passing through registers (sm_80+); .cg: cache in L2 only.
+// Older GPUs (e.g. a T4, sm_75) copy synchronously: same results, no overlap.
 __device__ __forceinline__ void cp_async16(void* smem, const bf16* gmem) {
+#if __CUDA_ARCH__ >= 800
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(gmem));
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {   // at most N groups still in flight
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#endif
 }
 
 __device__ __forceinline__ void load8(const bf16* p, float* out) {
@@ -151,13 +166,13 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
                 }
             }
         }
-        asm volatile("cp.async.commit_group;\n" ::);      // one group per iteration, empty ones too
+        cp_async_commit();                                 // one group per iteration, empty ones too
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
     for (int it = 0; it < n_iter; ++it) {
         issue(it + STAGES - 1);
-        asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 1));   // iteration `it` has landed
+        cp_async_wait<STAGES - 1>();                       // iteration `it` has landed
         const int base = first + it * step;
         bool valid[UNROLL];
         uint4 kraw[UNROLL], vraw[UNROLL];
@@ -191,7 +206,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
         }
     }
 
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_wait<0>();
 
     // Merge the KPW key groups of each warp: lanes with the same d0 combine through shuffles.
 #pragma unroll
