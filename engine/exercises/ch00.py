@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from engine.backend import f32_to_bf16
+from engine.exercises import call_learner
 
 
 def run_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
@@ -19,13 +20,8 @@ def run_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
     count = 0
     for args, expected in cases:
         call = f"{getattr(fn, '__name__', 'fn')}{args if len(args) != 1 else f'({args[0]!r})'}"
-        try:
-            got = fn(*args)
-        except NotImplementedError:
-            print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
-            return False
-        except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[x] {title}: {call} raised {type(e).__name__}: {e}")
+        ok, got = call_learner(title, call, fn, *args)
+        if not ok:
             return False
         if not same(got, expected):
             print(f"[x] {title}: {call} returned {got!r}, expected {expected!r}")

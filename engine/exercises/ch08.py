@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from engine.config import LlamaConfig, config_from_dict
+from engine.exercises import call_learner
 from engine.exercises.ch03 import describe, run_array_checks
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, load_model
@@ -136,13 +137,8 @@ def check_decode_loop(fn: Callable) -> bool:
         want = greedy_by_recomputation(model, prompt, n)
         counting = CountingModel(model)
         call = f"{getattr(fn, '__name__', 'fn')}(model={preset}, prompt of {P} tokens, n_new={n})"
-        try:
-            got = fn(counting, list(prompt), n)
-        except NotImplementedError:
-            print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
-            return False
-        except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[x] {title}: {call} raised {type(e).__name__}: {e}")
+        ok, got = call_learner(title, call, fn, counting, list(prompt), n)
+        if not ok:
             return False
         try:
             got = [int(t) for t in got]
@@ -302,13 +298,8 @@ def check_kv_cache_bytes(fn: Callable) -> bool:
     count = 0
     for (cfg, seqs, ctx, bpv), want in checked:
         call = f"{getattr(fn, '__name__', 'fn')}{describe((cfg, seqs, ctx, bpv))}"
-        try:
-            got = fn(cfg, seqs, ctx, bpv)
-        except NotImplementedError:
-            print("[ ] kv_cache_bytes: not attempted yet (the function still raises NotImplementedError)")
-            return False
-        except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[x] kv_cache_bytes: {call} raised {type(e).__name__}: {e}")
+        ok, got = call_learner("kv_cache_bytes", call, fn, cfg, seqs, ctx, bpv)
+        if not ok:
             return False
         if got != want:
             mistakes = {"K and V are two tensors: the factor 2 is missing": want // 2,

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from engine.config import LlamaConfig
+from engine.exercises import call_learner
 from engine.exercises.ch08 import config_label, preset_config
 from engine.paged_kv import PageAllocator, SlotAllocator
 from engine.plots import summarize
@@ -34,13 +35,8 @@ def _run(title: str, fn: Callable, cases: list, same: Callable, hints: list | No
     count = 0
     for args, want in cases:
         call = label(fn, args)
-        try:
-            got = fn(*args)
-        except NotImplementedError:
-            print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
-            return False
-        except Exception as e:  # the learner's bug, shown rather than raised
-            print(f"[x] {title}: {call} raised {type(e).__name__}: {e}")
+        ok, got = call_learner(title, call, fn, *args)
+        if not ok:
             return False
         try:
             ok = same(got, want)
