@@ -12,25 +12,7 @@ from engine.kv_cache import KVCache
 from engine.model import ForwardBatch
 
 
-def not_attempted(*args):
-    raise NotImplementedError
-
-
-def verdict(capsys) -> str:
-    return capsys.readouterr().out.strip().splitlines()[-1]
-
-
-def accepts(checker, fn, capsys):
-    assert checker(fn) is True, verdict(capsys)
-    assert verdict(capsys).startswith("[OK]")
-
-
-def rejects(checker, fn, capsys, hint: str | None = None):
-    assert checker(fn) is False
-    line = verdict(capsys)
-    assert line.startswith("[x]"), line
-    if hint is not None:
-        assert hint in line, line
+from exercise_helpers import accepts, not_attempted, rejects, verdict  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- chapter 08 solutions

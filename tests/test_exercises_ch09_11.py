@@ -11,25 +11,7 @@ import pytest
 from engine.exercises import ch09, ch10, ch11
 
 
-def not_attempted(*args):
-    raise NotImplementedError
-
-
-def verdict(capsys) -> str:
-    return capsys.readouterr().out.strip().splitlines()[-1]
-
-
-def accepts(checker, fn, capsys, *args):
-    assert checker(fn, *args) is True, verdict(capsys)
-    assert verdict(capsys).startswith("[OK]")
-
-
-def rejects(checker, fn, capsys, hint: str | None = None, *args):
-    assert checker(fn, *args) is False
-    line = verdict(capsys)
-    assert line.startswith("[x]"), line
-    if hint is not None:
-        assert hint in line, line
+from exercise_helpers import accepts, not_attempted, rejects, verdict  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- chapter 09
