@@ -160,13 +160,18 @@ def gantt(step_log, ax=None, title: str | None = None, x: str = "step",
                for s in STATES if s in used]
     if marks:
         handles.append(ax.collections[-1])
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-              ncol=len(handles), frameon=False)
     ax.set_yticks(sorted(timelines))
     ax.set_ylim(max(timelines, default=0) + 0.8, -1.2)
+    return _finish(ax, handles, edges, x, "request", title)
+
+
+def _finish(ax, handles, edges, x: str, ylabel: str, title: str | None):
+    """The legend above the plot, the x range of the steps, the axis labels and the title."""
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+              ncol=len(handles), frameon=False)
     ax.set_xlim(edges[0], edges[-1])
     ax.set_xlabel("step" if x == "step" else "seconds")
-    ax.set_ylabel("request")
+    ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=10, loc="left")
     return ax
@@ -194,14 +199,7 @@ def occupancy(step_log, max_seqs: int | None = None, ax=None, title: str | None 
                Patch(color=STATE_STYLE["decode"][0], label="decode rows"),
                Patch(facecolor="white", hatch="////", edgecolor="0.5", label="idle seats"),
                *ax.get_lines()]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
-              ncol=len(handles), frameon=False)
-    ax.set_xlim(edges[0], edges[-1])
-    ax.set_xlabel("step" if x == "step" else "seconds")
-    ax.set_ylabel("sequences")
-    if title:
-        ax.set_title(title, fontsize=10, loc="left")
-    return ax
+    return _finish(ax, handles, edges, x, "sequences", title)
 
 
 def memory(step_log, block_size: int, ax=None, label: str = "", x: str = "step",
