@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.backend import is_device_array, load_kernel
+from engine.ops.argmax import argmax_rows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -110,8 +113,6 @@ def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.nd
     On the GPU only the R sampled ids cross to the host (argmax kernel when every row is greedy,
     the sampling kernel otherwise).
     """
-    from engine.backend import is_device_array, load_kernel
-    from engine.ops.argmax import argmax_rows
     R = len(params)
     if not is_device_array(logits):
         return np.array([sample_ref(logits[r], p.temperature, p.top_k, p.top_p, u)
