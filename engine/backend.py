@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,11 @@ class Backend:
     def is_gpu(self) -> bool:
         return self.name == "cupy"
 
+    def synchronize(self) -> None:
+        """Wait for the device to finish queued work (a no-op on the CPU): call before reading a clock."""
+        if self.is_gpu:
+            self.xp.cuda.Device().synchronize()
+
     def describe(self) -> str:
         if self.is_gpu:
             return f"cupy on {gpu_name()}"
@@ -115,6 +121,22 @@ def gpu_name() -> str:
     import cupy
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     return props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+
+def copy_bandwidth(backend: Backend) -> float:
+    """Measured copy bandwidth in GB/s (bytes read + written): the ceiling for memory-bound steps.
+    2 GiB copied on the GPU (far past its 60 MB L2), 256 MiB on the CPU; best of five."""
+    xp = backend.xp
+    n = 2**29 if backend.is_gpu else 2**26
+    a, b = xp.ones(n, dtype=xp.float32), xp.empty(n, dtype=xp.float32)
+    best = float("inf")
+    for _ in range(5):
+        backend.synchronize()
+        t = time.perf_counter()
+        b[...] = a
+        backend.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n * 4 / best / 1e9
 
 
 def is_device_array(x) -> bool:

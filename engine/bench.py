@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.backend import BACKENDS, resolve_backend
+from engine.backend import BACKENDS, copy_bandwidth, resolve_backend
 from engine.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve")
@@ -40,27 +40,6 @@ def device_name(backend) -> str:
         from engine.backend import gpu_name
         return gpu_name()
     return f"CPU ({platform.processor() or platform.machine()})"
-
-
-def sync(backend) -> None:
-    if backend.is_gpu:
-        backend.xp.cuda.Device().synchronize()
-
-
-def copy_bandwidth(backend) -> float:
-    """Measured copy bandwidth in GB/s (bytes read + written): the ceiling for memory-bound steps.
-    2 GiB copied on the GPU (far past its 60 MB L2), 256 MiB on the CPU; best of five."""
-    xp = backend.xp
-    n = 2**29 if backend.is_gpu else 2**26
-    a, b = xp.ones(n, dtype=xp.float32), xp.empty(n, dtype=xp.float32)
-    best = float("inf")
-    for _ in range(5):
-        sync(backend)
-        t = time.perf_counter()
-        b[...] = a
-        sync(backend)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n * 4 / best / 1e9
 
 
 def random_prompt(rng, n: int, vocab: int) -> list[int]:
@@ -153,12 +132,12 @@ def scenario_prefill(args, setup, model, hf):
         batch = ForwardBatch.single(ids, logits_rows=[len(ids) - 1] if last_only else None)
         for _ in range(2):
             model.forward(batch)
-        sync(model.backend)
+        model.backend.synchronize()
         reps = 5 if model.backend.is_gpu else 1
         t = time.perf_counter()
         for _ in range(reps):
             model.forward(batch)
-        sync(model.backend)
+        model.backend.synchronize()
         sec = (time.perf_counter() - t) / reps
         rec = {**setup, "scenario": "prefill", "prompt_len": len(ids), "logits": "last" if last_only else "all",
                "ms": round(sec * 1e3, 2), "tok_per_s": round(len(ids) / sec, 1)}
@@ -227,10 +206,10 @@ def scenario_serve(args, setup, model_dir, backend, hf):
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs)
         llm.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))   # warm-up (compile kernels)
-        sync(backend)
+        backend.synchronize()
         t = time.perf_counter()
         results = llm.generate(prompts, params)
-        sync(backend)
+        backend.synchronize()
         sec = time.perf_counter() - t
         assert sum(len(r.token_ids) for r in results) == useful
         log = llm.last_step_log
@@ -299,7 +278,7 @@ def main(argv=None) -> int:
     if needs_model:
         t = time.perf_counter()
         model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8))
-        sync(backend)
+        backend.synchronize()
         seconds = time.perf_counter() - t
         from engine.safetensors import open_checkpoint
         with open_checkpoint(model_dir) as ckpt:

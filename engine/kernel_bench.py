@@ -16,8 +16,7 @@ import sys
 
 import numpy as np
 
-from engine.backend import bf16_to_f32, f32_to_bf16, matmul, resolve_backend
-from engine.bench import copy_bandwidth
+from engine.backend import bf16_to_f32, copy_bandwidth, f32_to_bf16, matmul, resolve_backend
 
 BF16_TOL = 1e-2      # bf16 operands (8 significant bits), fp32 accumulation
 F32_TOL = 1e-5

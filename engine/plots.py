@@ -1,24 +1,15 @@
 """Pictures of serving (chapters 09-11), drawn from the scheduler's step log and snapshot().
 
-Every function takes plain data (a step log: `llm.last_step_log` or `sched.step_log`; a snapshot:
-`sched.snapshot()`), draws on a matplotlib Axes (a new figure when `ax` is None) and returns the Axes:
+Every function takes plain data (a step log, see engine/step_log.py: `llm.last_step_log` or
+`sched.step_log`; a snapshot: `sched.snapshot()`), draws on a matplotlib Axes (a new figure when `ax`
+is None) and returns the Axes:
 
-    request_timelines(log)        request id -> its state at every step (the data behind the Gantt chart)
-    summarize(log)                steps, tokens, idle slots, seconds: one dict per run, for tables
-    request_latencies(log)        request id -> (time to first token, time to finish)
     gantt(log)                    one row per request, one bar per run of steps in the same state
     occupancy(log, max_seqs)      rows in each batch (and static batching's idle seats), queue length
     memory(log, block_size)       KV cache reserved vs holding real tokens; the gap is waste
     page_table(snapshot)          the pool of pages: who owns each page, how full it is, block tables
 
-Step states (request_timelines, gantt):
-    waiting   arrived (or preempted) and not admitted yet
-    prefill   in this step's batch, a prefill row (its prompt, or prompt + generated after preemption)
-    decode    in this step's batch, a decode row (one token)
-    stalled   admitted, but this step's batch does not include it (a prefill batch of newcomers)
-    idle      static batching: finished, but its seat stays taken until the whole group ends
-The step log does not record cancel(): pass `cancelled={request_id: len(sched.step_log) at the
-cancel}` to end a cancelled request's row there.
+The numbers behind them (summarize, request_timelines, request_latencies) live in engine/step_log.py.
 """
 from __future__ import annotations
 
@@ -26,7 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-STATES = ("waiting", "prefill", "decode", "stalled", "idle")
+from engine.step_log import STATES, x_edges, request_timelines
+
 STATE_STYLE = {                      # (face colour, hatch)
     "waiting": ("#e6e6e6", ""),
     "prefill": ("#d95f02", ""),
@@ -46,46 +38,6 @@ def _axes(ax, figsize):
     return ax
 
 
-def _x_edges(step_log, x: str) -> np.ndarray:
-    """[steps + 1] where each step starts and ends on the x axis: step numbers or wall seconds."""
-    if x == "step":
-        return np.arange(len(step_log) + 1, dtype=float)
-    if x == "seconds":
-        if any("seconds" not in e for e in step_log):
-            raise ValueError("x='seconds' needs a 'seconds' key in every step (engine.LLM adds it)")
-        return np.concatenate([[0.0], np.cumsum([e["seconds"] for e in step_log])])
-    raise ValueError(f"x must be 'step' or 'seconds', got {x!r}")
-
-
-def request_timelines(step_log, cancelled: dict[int, int] | None = None) -> dict[int, list[str]]:
-    """request id -> [state at step 0, step 1, ...]; "" before it arrived and after it left."""
-    n = len(step_log)
-    cancelled = cancelled or {}
-    states: dict[int, list[str]] = {}
-    status: dict[int, str] = {}      # before the step: "waiting" | "running" | "finished" | "gone"
-    for s, entry in enumerate(step_log):
-        for rid in entry["arrived"]:
-            states[rid], status[rid] = [""] * n, "waiting"
-        for rid in entry["preempted"]:      # preempted while this batch was formed
-            status[rid] = "waiting"
-        in_batch = set(entry["request_ids"])
-        for rid in status:
-            if cancelled.get(rid, n) <= s:
-                status[rid] = "gone"
-            if status[rid] == "finished":   # static: the seat is held while the group still runs
-                status[rid] = "finished" if entry["idle_slots"] > 0 else "gone"
-            if rid in in_batch:
-                states[rid][s] = entry["kind"]
-            else:
-                states[rid][s] = {"waiting": "waiting", "running": "stalled",
-                                  "finished": "idle", "gone": ""}[status[rid]]
-        for rid in in_batch:
-            status[rid] = "running"
-        for rid in entry["finished"]:
-            status[rid] = "finished"
-    return states
-
-
 def _runs(states: list[str]):
     """(state, first step, length) of every maximal run of one non-empty state."""
     runs, start = [], 0
@@ -97,45 +49,6 @@ def _runs(states: list[str]):
     return runs
 
 
-def summarize(step_log) -> dict:
-    """Totals of one run. Every row of every step samples one token, so output tokens = sum of rows."""
-    decode = [e for e in step_log if e["kind"] == "decode"]
-    out = {
-        "steps": len(step_log),
-        "prefill_steps": len(step_log) - len(decode),
-        "decode_steps": len(decode),
-        "output_tokens": sum(e["rows"] for e in step_log),
-        "prompt_tokens_computed": sum(e["tokens"] for e in step_log if e["kind"] == "prefill"),
-        "mean_decode_rows": float(np.mean([e["rows"] for e in decode])) if decode else 0.0,
-        "idle_slot_steps": sum(e["idle_slots"] for e in step_log),
-        "preemptions": sum(len(e["preempted"]) for e in step_log),
-        "recomputed_tokens": sum(e["recomputed_tokens"] for e in step_log),
-        "max_running": max((e["running"] for e in step_log), default=0),
-    }
-    if step_log and all("seconds" in e for e in step_log):
-        out["seconds"] = float(sum(e["seconds"] for e in step_log))
-        out["tokens_per_second"] = out["output_tokens"] / out["seconds"] if out["seconds"] else 0.0
-    return out
-
-
-def request_latencies(step_log, x: str = "step") -> dict[int, tuple[float, float]]:
-    """request id -> (time to first token, time to its last token), both counted from the start of
-    the step it arrived before to the end of the step that produced the token: in steps, or in
-    wall seconds with x="seconds". Only requests that finished within the log are listed."""
-    edges = _x_edges(step_log, x)
-    arrival, first = {}, {}
-    out = {}
-    for s, entry in enumerate(step_log):
-        for rid in entry["arrived"]:
-            arrival[rid] = s
-        for rid in entry["request_ids"]:
-            first.setdefault(rid, s)
-        for rid in entry["finished"]:
-            a = edges[arrival[rid]]
-            out[rid] = (float(edges[first[rid] + 1] - a), float(edges[s + 1] - a))
-    return dict(sorted(out.items()))
-
-
 def gantt(step_log, ax=None, title: str | None = None, x: str = "step",
           cancelled: dict[int, int] | None = None):
     """One row per request (id 0 on top), one bar per run of steps in the same state.
@@ -145,7 +58,7 @@ def gantt(step_log, ax=None, title: str | None = None, x: str = "step",
     """
     timelines = request_timelines(step_log, cancelled)
     ax = _axes(ax, (10, 0.35 * len(timelines) + 1.2))
-    edges = _x_edges(step_log, x)
+    edges = x_edges(step_log, x)
     used = set()
     for rid, states in timelines.items():
         for state, start, length in _runs(states):
@@ -183,7 +96,7 @@ def occupancy(step_log, max_seqs: int | None = None, ax=None, title: str | None 
     of static batching (hatched, height 0 when none); a line of the waiting queue; a dashed line at
     max_seqs when given."""
     ax = _axes(ax, (10, 2.8))
-    edges = _x_edges(step_log, x)
+    edges = x_edges(step_log, x)
     left, width = edges[:-1], np.diff(edges)
     rows = np.array([e["rows"] for e in step_log])
     idle = np.array([e["idle_slots"] for e in step_log])
@@ -207,7 +120,7 @@ def memory(step_log, block_size: int, ax=None, label: str = "", x: str = "step",
     """KV memory per step, in token positions: reserved (used_blocks * block_size, a line) and
     holding real K/V (cached_tokens, a second line when show_cached), the waste between them shaded."""
     ax = _axes(ax, (10, 2.8))
-    mid = _x_edges(step_log, x)[1:]                   # the state after each step
+    mid = x_edges(step_log, x)[1:]                   # the state after each step
     reserved = np.array([e["used_blocks"] * block_size for e in step_log])
     cached = np.array([e["cached_tokens"] for e in step_log])
     prefix = f"{label}: " if label else ""

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.paged_kv import BlockAllocator, PageAllocator, SlotAllocator
+from engine.step_log import StepRecord
 
 __all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError",
            "BlockAllocator", "PageAllocator", "SlotAllocator"]
@@ -204,7 +205,7 @@ class _Saved:
 class _InFlight:
     batch: Batch
     saved: _Saved
-    log_entry: dict
+    log_entry: StepRecord
     arrived_before: int     # next request id when the batch was scheduled
 
 
@@ -212,8 +213,8 @@ class Scheduler:
     """Static or continuous batching over a BlockAllocator (SlotAllocator or PageAllocator).
 
     See the module docstring for the policies, admissions, finishing rules and refusals.
-    `step_log` holds one dict per completed step (failed ones leave no trace); the runner may add its
-    own keys (e.g. wall time) to step_log[-1] after complete().
+    `step_log` holds one StepRecord (engine/step_log.py) per completed step (failed ones leave no
+    trace); the runner adds the step's wall time as step_log[-1]["seconds"] after complete().
     """
 
     def __init__(self, allocator: BlockAllocator, max_seqs: int, max_batch_tokens: int,
@@ -254,7 +255,7 @@ class Scheduler:
         self._in_flight: _InFlight | None = None
         self._logged_request_id = 0                # requests below this id arrived before a logged step
         self.num_preemptions = 0
-        self.step_log: list[dict] = []
+        self.step_log: list[StepRecord] = []
 
     # ---- requests in -------------------------------------------------------------------------
     def submit(self, prompt_ids, params) -> int:
@@ -514,7 +515,7 @@ class Scheduler:
                       list(self._group), self._group_decoding, self._next_batch_id,
                       self._next_request_id, self.num_preemptions)
 
-    def _log_entry(self, batch: Batch, preempted: list[int]) -> dict:
+    def _log_entry(self, batch: Batch, preempted: list[int]) -> StepRecord:
         # A running request has generated at least one token, so a prefill row with generated
         # tokens is a preempted request coming back, and one without is a first admission.
         prefill_rows = batch.rows if batch.kind == "prefill" else []
@@ -540,4 +541,5 @@ class Scheduler:
             "used_blocks": self.allocator.num_used,
             "free_blocks": self.allocator.num_free,
             "cached_tokens": cached,
+            "finished": [],        # filled in by complete()
         }

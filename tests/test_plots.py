@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from engine import plots  # noqa: E402
+from engine import plots, step_log  # noqa: E402
 from engine.exercises.ch09 import STAND_IN_TOKEN, run_scheduler  # noqa: E402
 from engine.exercises.ch10 import HAND_WORKLOAD  # noqa: E402
 from engine.paged_kv import PageAllocator  # noqa: E402
@@ -30,14 +30,14 @@ def hand_log(policy):
 
 def test_timelines_of_the_hand_workload():
     # continuous: 0+1 prefill (1 finishes), 2+3 prefill (0 stalls), decode all, 4 arrives, ...
-    assert plots.request_timelines(hand_log("continuous")) == {
+    assert step_log.request_timelines(hand_log("continuous")) == {
         0: ["prefill", "stalled", "decode", "stalled", "decode"],
         1: ["prefill", "", "", "", ""],
         2: ["waiting", "prefill", "decode", "", ""],
         3: ["waiting", "prefill", "decode", "", ""],
         4: ["", "", "", "prefill", "decode"]}
     # static: 1's seat stays idle until the group {0, 1, 2} ends; 3 waits for the next group
-    assert plots.request_timelines(hand_log("static")) == {
+    assert step_log.request_timelines(hand_log("static")) == {
         0: ["prefill", "stalled", "decode", "decode", "", ""],
         1: ["prefill", "idle", "idle", "idle", "", ""],
         2: ["waiting", "prefill", "decode", "idle", "", ""],
@@ -47,16 +47,16 @@ def test_timelines_of_the_hand_workload():
 
 def test_latencies_and_summary_of_the_hand_workload():
     log = hand_log("continuous")
-    assert plots.request_latencies(log) == {0: (1, 5), 1: (1, 1), 2: (2, 3), 3: (2, 3), 4: (1, 2)}
-    summary = plots.summarize(log)
+    assert step_log.request_latencies(log) == {0: (1, 5), 1: (1, 1), 2: (2, 3), 3: (2, 3), 4: (1, 2)}
+    summary = step_log.summarize(log)
     assert summary["output_tokens"] == sum(HAND_WORKLOAD["max_new"])
     assert (summary["steps"], summary["prefill_steps"], summary["decode_steps"]) == (5, 3, 2)
     assert summary["mean_decode_rows"] == 2.5 and "seconds" not in summary
-    assert plots.summarize(hand_log("static"))["idle_slot_steps"] == 1 + 1 + 2
+    assert step_log.summarize(hand_log("static"))["idle_slot_steps"] == 1 + 1 + 2
 
 
 def check_states_against_counts(log):
-    timelines = plots.request_timelines(log)
+    timelines = step_log.request_timelines(log)
     for s, entry in enumerate(log):
         column = [states[s] for states in timelines.values()]
         assert column.count("waiting") == entry["waiting"]
@@ -87,7 +87,7 @@ def test_gantt_has_one_bar_per_run_and_marks_preemptions():
     assert preemptions >= 1
     check_states_against_counts(log)
     ax = plots.gantt(log, title="tight pool")
-    runs = sum(len(plots._runs(states)) for states in plots.request_timelines(log).values())
+    runs = sum(len(plots._runs(states)) for states in step_log.request_timelines(log).values())
     assert len(ax.patches) == runs
     assert len(ax.collections) == 1 and len(ax.collections[0].get_offsets()) == preemptions
     assert ax.get_title(loc="left") == "tight pool"
@@ -115,8 +115,8 @@ def test_seconds_axis():
         plots.occupancy(log, x="time")
     timed = [dict(e, seconds=0.5) for e in log]
     assert plots.gantt(timed, x="seconds").get_xlim() == (0.0, 2.5)
-    assert plots.request_latencies(timed, x="seconds")[0] == (0.5, 2.5)
-    assert plots.summarize(timed)["tokens_per_second"] == sum(HAND_WORKLOAD["max_new"]) / 2.5
+    assert step_log.request_latencies(timed, x="seconds")[0] == (0.5, 2.5)
+    assert step_log.summarize(timed)["tokens_per_second"] == sum(HAND_WORKLOAD["max_new"]) / 2.5
 
 
 def test_cancelled_rows_end_at_the_cancel():
@@ -131,7 +131,7 @@ def test_cancelled_rows_end_at_the_cancel():
     while sched.has_unfinished():
         batch = sched.schedule()
         sched.complete(batch.batch_id, [STAND_IN_TOKEN] * len(batch.rows))
-    timelines = plots.request_timelines(sched.step_log, cancelled)
+    timelines = step_log.request_timelines(sched.step_log, cancelled)
     assert timelines[b] == ["prefill", "decode", "", "", "", ""]
     assert timelines[a] == ["prefill", "decode", "decode", "decode", "decode", "decode"]
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.exercises import call_learner
 from engine.exercises.ch09 import run_hinted_checks, run_scheduler
-from engine.plots import request_latencies
+from engine.step_log import request_latencies
 
 # The workload of the by-hand exercise: request i has prompt_lens[i] prompt tokens, generates
 # max_new[i] tokens (eos never stops it) and is submitted after arrivals[i] steps have run.

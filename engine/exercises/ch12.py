@@ -11,7 +11,7 @@ from engine.config import LlamaConfig
 from engine.exercises import call_learner
 from engine.exercises.ch08 import config_label, preset_config
 from engine.paged_kv import PageAllocator, SlotAllocator
-from engine.plots import summarize
+from engine.step_log import summarize
 from engine.random_model import write_random_model
 from engine.sampling import SamplingParams
 
