@@ -13,6 +13,8 @@ import numpy as np
 from engine.backend import is_device_array, load_kernel
 from engine.ops.argmax import argmax_rows
 
+SAMPLE_THREADS = 1024   # threads per row of kernels_cu/sampling.cu (passed to it as -DTHREADS)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,5 +127,5 @@ def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.nd
         ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
         ([p.top_p for p in params], np.float32), (uniforms, np.float32))]
     out = cp.empty(R, dtype=cp.int32)
-    load_kernel("sampling", "sample_rows")((R,), (1024,), (logits, *knobs, out, np.int32(V)))
+    load_kernel("sampling", "sample_rows", THREADS=SAMPLE_THREADS)((R,), (SAMPLE_THREADS,), (logits, *knobs, out, np.int32(V)))
     return cp.asnumpy(out)

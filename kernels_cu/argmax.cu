@@ -3,11 +3,18 @@
 // then a shared-memory tree reduction picks the winner. Only the int32 index goes back to the host.
 #include "common.cuh"
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits,  // [R, V]
+// THREADS (threads per block) comes from the launcher, engine/ops/argmax.py, as -DTHREADS=...
+#ifndef THREADS
+#error "THREADS must be defined by the launcher (engine/ops/argmax.py)"
+#endif
+static_assert(THREADS >= 32 && THREADS <= 1024 && (THREADS & (THREADS - 1)) == 0,
+              "the tree reduction halves the block each step: THREADS must be a power of two");
+
+extern "C" __global__ void __launch_bounds__(THREADS) argmax_rows(const float* __restrict__ logits,  // [R, V]
                                         int* __restrict__ out,              // [R]
                                         int V) {
-    __shared__ float best_v[1024];
-    __shared__ int best_i[1024];
+    __shared__ float best_v[THREADS];
+    __shared__ int best_i[THREADS];
     const float* row = logits + (long long)blockIdx.x * V;
     float bv = -INFINITY;
     int bi = V;   // sentinel larger than any index
@@ -18,7 +25,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits,  // [R,
     best_v[threadIdx.x] = bv;
     best_i[threadIdx.x] = bi;
     __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    for (int stride = THREADS / 2; stride > 0; stride >>= 1) {
         if (threadIdx.x < stride) {
             const float ov = best_v[threadIdx.x + stride];
             const int oi = best_i[threadIdx.x + stride];

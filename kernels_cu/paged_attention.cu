@@ -30,7 +30,9 @@
 #ifndef GROUP
 #define GROUP 4
 #endif
-#define NWARPS 4
+#ifndef NWARPS
+#error "NWARPS must be defined by the launcher (engine/ops/paged_attention.py)"
+#endif
 #define LPK (HEAD_DIM / 8)          // lanes per key
 #define KPW (32 / LPK)              // keys per warp per step
 #ifndef MIN_BLOCKS

@@ -18,7 +18,11 @@
 // reductions; for the final walk each thread owns a contiguous chunk and a block scan finds the chunk.
 #include "common.cuh"
 
-#define THREADS 1024
+// THREADS (threads per block) comes from the launcher, engine/sampling.py, as -DTHREADS=...
+#ifndef THREADS
+#error "THREADS must be defined by the launcher (engine/sampling.py)"
+#endif
+static_assert(THREADS % 32 == 0 && THREADS <= 1024, "block_sum/block_max reduce whole warps");
 
 __device__ __forceinline__ float prob(const float* row, int i, float m, float inv_t) {
     return __expf((row[i] - m) * inv_t);

@@ -15,9 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from engine import sampling
+from engine.ops import argmax, paged_attention
+
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 SOURCES = sorted(KERNELS.glob("*.cu"))
-VARIANTS = {"paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g} for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)]}
+# Launch constants come from the Python launchers (one source), passed as -D defines like at run time.
+VARIANTS = {
+    "paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g, "NWARPS": paged_attention.NWARPS}
+                           for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)],
+    "argmax.cu": [{"THREADS": argmax.THREADS}],
+    "sampling.cu": [{"THREADS": sampling.SAMPLE_THREADS}],
+}
 
 
 def _find_nvrtc():

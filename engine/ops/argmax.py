@@ -5,6 +5,8 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel
 
+THREADS = 1024     # threads per row; a power of two (kernels_cu/argmax.cu's tree reduction checks it)
+
 
 def argmax_rows(logits):
     """logits [R, V] float32 -> int32 [R] (first index on ties). GPU: stays on the device."""
@@ -14,5 +16,5 @@ def argmax_rows(logits):
     R, V = logits.shape
     out = cp.empty(R, dtype=cp.int32)
     if R:
-        load_kernel("argmax", "argmax_rows")((R,), (1024,), (logits, out, np.int32(V)))
+        load_kernel("argmax", "argmax_rows", THREADS=THREADS)((R,), (THREADS,), (logits, out, np.int32(V)))
     return out

@@ -14,6 +14,8 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel, sm_count
 from engine.config import LlamaConfig
+
+NWARPS = 4          # warps per block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 from engine.ops.attention import softmax, split_qkv
 
 
@@ -89,14 +91,14 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     block_size = k_cache.shape[1]
     if splits is None:
         splits = choose_splits(R, Hkv, max_context, sm_count(cp.cuda.Device().id))
-    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv)
+    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv, NWARPS=NWARPS)
     if splits > 1:
         part_ml = cp.empty((R, Hq, splits, 2), dtype=cp.float32)
         part_acc = cp.empty((R, Hq, splits, D), dtype=cp.float32)
     else:
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
     load_kernel("paged_attention", "paged_attention", **kernel_args)(
-        (R, Hkv, splits), (128,),
+        (R, Hkv, splits), (32 * NWARPS,),
         (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
          seq_idx, positions, np.int32(block_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)),
          out, np.int64(Hq * D), part_ml, part_acc))
