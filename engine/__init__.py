@@ -1,8 +1,11 @@
 """engine: an LLM inference engine built chapter by chapter.
 
 The public contract (see README): ensure_default_model, load_tokenizer, load_model, LLM,
-SamplingParams, SafetensorsError and the `engine.safetensors` module. Imports are lazy so that
-`import engine` stays instant and never touches CuPy.
+SamplingParams and the `engine.safetensors` module, plus the typed errors a caller may catch:
+SafetensorsError, ConfigError, GGUFConversionError, DefaultModelError (all ValueError or
+RuntimeError subclasses naming the problem) and BackendError. `__all__` is built from the table
+below, so this list and the exports cannot drift apart. Imports are lazy so that `import engine`
+stays instant and never touches CuPy.
 """
 from importlib import import_module
 

@@ -1,6 +1,6 @@
 """Sampling: turning a row of logits into the next token (chapter 08).
 
-`SamplingParams` is the user-facing knob set; `sample_numpy` is the readable reference that the
+`SamplingParams` is the user-facing knob set; `sample_ref` is the readable reference that the
 GPU kernel in kernels_cu/sampling.cu reproduces. Temperature 0 means greedy (argmax).
 """
 from __future__ import annotations
