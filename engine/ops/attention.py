@@ -49,7 +49,7 @@ def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
     """
     scale = config.head_dim ** -0.5
     if not is_device_array(qkv):
-        from engine.ops.flash_attention import flash_attention_ref   # (it imports split_qkv from here)
+        from engine.ops.flash_attention import flash_attention_ref  # (it imports split_qkv from here)
         q, k, v = split_qkv(qkv, config)
         cu = np.asarray(cu_seqlens)
         positions = np.arange(qkv.shape[0]) - np.repeat(cu[:-1], np.diff(cu))

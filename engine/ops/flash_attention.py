@@ -103,7 +103,7 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens,
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tensor_cores_usable(device_id: int) -> bool:
     import cupy
     return int(cupy.cuda.Device(device_id).compute_capability) >= 80
