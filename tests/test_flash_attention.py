@@ -75,7 +75,7 @@ def packed_prompts(rng, Hq, Hkv, D, lengths, round_bf16=False):
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
     ref = np.concatenate([causal_attention_ref(q[a:b], k[a:b], v[a:b], D ** -0.5)
-                          for a, b in zip(cu[:-1], cu[1:], strict=True)])
+                          for a, b in zip(cu[:-1], cu[1:], strict=True) if b > a])
     return q, k, v, cu, positions, ref
 
 
