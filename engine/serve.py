@@ -307,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size (default: what fits)")
     ap.add_argument("--max-seqs", type=int, default=None, help="most sequences in one batch")
     ap.add_argument("--max-context", type=int, default=None, help="tokens one sequence may hold")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="uvicorn's log (info prints one line per request)")
     return ap
 
 
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
     print(f"serving {name!r} on {llm.backend.describe().rstrip('.')}\n"
           f"  OpenAI API: http://{shown}:{args.port}/v1   dashboard: http://{shown}:{args.port}/", flush=True)
     try:
-        uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level="info")
+        uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         close = getattr(llm, "close", None)
         if close is not None:
