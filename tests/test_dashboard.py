@@ -36,7 +36,7 @@ def page():
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        yield browser.new_page(viewport={"width": 1200, "height": 860})
+        yield browser.new_page(viewport={"width": 1180, "height": 900})
         browser.close()
 
 
