@@ -72,7 +72,7 @@ async def stream_all(url: str, prompts, max_tokens) -> tuple[float, list[float],
             return first, tokens
 
         t = time.perf_counter()
-        results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens)))
+        results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
         seconds = time.perf_counter() - t
     return seconds, [r[0] for r in results if r[0] is not None], [r[1] for r in results]
 

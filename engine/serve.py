@@ -221,8 +221,10 @@ class OpenAIServer:
 
         def chunk(text, reason=None):
             return api.text_completion(rid, self.model_name, created, text, reason)
-        usage_chunk = (lambda n: api.text_completion(rid, self.model_name, created, "", None,
-                                                     api.usage(n_prompt, n), with_choice=False))
+
+        def usage_chunk(n):
+            return api.text_completion(rid, self.model_name, created, "", None, api.usage(n_prompt, n),
+                                       with_choice=False)
         return self._stream(request, handle, [], chunk, lambda reason: chunk("", reason),
                             usage_chunk if body.include_usage else None)
 

@@ -225,9 +225,9 @@ def test_concurrent_streaming_clients(server, llm):
     stats = wait_idle(llm)
     assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
     llm.check_invariants()
-    served = [(job, out) for job, out in zip(jobs, outputs) if not job[2]]
+    served = [(job, out) for job, out in zip(jobs, outputs, strict=True) if not job[2]]
     reference = llm.generate([p for (p, _, _), _ in served],
                              [SamplingParams(max_new_tokens=n, ignore_eos=True) for (_, n, _), _ in served])
-    for ((prompt, n, _), out), ref in zip(served, reference):
+    for ((prompt, _, _), out), ref in zip(served, reference, strict=True):
         assert out == (ref.text, ["length"]), prompt
     assert stats["tokens_generated"] - before >= sum(n for (_, n, _), _ in served)

@@ -6,8 +6,7 @@ const WINDOW_S = 60;                       // the timeline and the rate plot sho
 const STATE_COLOR = { waiting: "#9e9e9e", prefill: "#ef8a17", decode: "#2e7dd7", preempted: "#d7263d" };
 const FREE_COLOR = "#e4e4e4";
 
-const rateHistory = [];                    // [time, tokens/s]
-const requestHistory = new Map();          // request id -> [[time, state], ...]; "done" once it leaves
+const rateHistory = [];                    // [time, tokens/s], kept by the page
 
 function ownerColor(id) {                  // a stable, well-spread hue per request id (golden angle)
   return `hsl(${(id * 137.508) % 360}, 65%, 50%)`;
@@ -15,21 +14,9 @@ function ownerColor(id) {                  // a stable, well-spread hue per requ
 
 function setText(id, text) { document.getElementById(id).textContent = text; }
 
-function recordSnapshot(s) {
-  const now = s.time;
-  rateHistory.push([now, s.tokens_per_s]);
-  while (rateHistory.length && rateHistory[0][0] < now - WINDOW_S) rateHistory.shift();
-  const live = new Set();
-  for (const r of s.requests) {
-    live.add(r.id);
-    if (!requestHistory.has(r.id)) requestHistory.set(r.id, []);
-    requestHistory.get(r.id).push([now, r.state]);
-  }
-  for (const [id, marks] of requestHistory) {
-    const last = marks[marks.length - 1];
-    if (!live.has(id) && last[1] !== "done") marks.push([now, "done"]);
-    if (last[1] === "done" && last[0] < now - WINDOW_S) requestHistory.delete(id);
-  }
+function recordRate(s) {
+  rateHistory.push([s.time, s.tokens_per_s]);
+  while (rateHistory.length && rateHistory[0][0] < s.time - WINDOW_S) rateHistory.shift();
 }
 
 function drawPageMap(s) {
@@ -65,26 +52,26 @@ function drawRate(now) {
   ctx.stroke(); ctx.lineWidth = 1;
 }
 
-function drawTimeline(now) {
+// Each request comes with its timeline from the engine: [[state, seconds before now], ...], one
+// entry per state change (waiting, prefill, decode, preempted, finished), so short prefills show too.
+function drawTimeline(requests) {
   const canvas = document.getElementById("timeline"), ctx = canvas.getContext("2d");
   const W = canvas.width, H = canvas.height, left = 50;
   ctx.clearRect(0, 0, W, H);
-  const ids = [...requestHistory.keys()].sort((a, b) => a - b);
-  const rows = ids.slice(-Math.floor(H / 3));          // the newest requests that fit, >= 3 px each
+  const rows = [...requests].sort((a, b) => a.id - b.id).slice(-Math.floor(H / 3));   // >= 3 px per row
   const rowH = Math.min(14, H / Math.max(rows.length, 1));
-  const xOf = (t) => left + (W - left) * (1 - (now - t) / WINDOW_S);
-  ctx.font = "10px sans-serif"; ctx.fillStyle = "#666";
-  rows.forEach((id, i) => {
-    const marks = requestHistory.get(id), y = i * rowH;
-    if (rowH >= 9) { ctx.fillStyle = "#666"; ctx.fillText(`#${id}`, 2, y + rowH - 2); }
-    for (let k = 0; k < marks.length; k++) {
-      const [t, state] = marks[k];
-      if (state === "done") break;
-      const end = k + 1 < marks.length ? marks[k + 1][0] : now;
+  const xOf = (ago) => left + (W - left) * (1 + ago / WINDOW_S);
+  ctx.font = "10px sans-serif";
+  rows.forEach((r, i) => {
+    const y = i * rowH;
+    if (rowH >= 9) { ctx.fillStyle = "#666"; ctx.fillText(`#${r.id}`, 2, y + rowH - 2); }
+    r.timeline.forEach(([state, ago], k) => {
+      if (state === "finished") return;
+      const end = k + 1 < r.timeline.length ? r.timeline[k + 1][1] : 0;
+      const x0 = Math.max(left, xOf(ago)), x1 = xOf(end);
       ctx.fillStyle = STATE_COLOR[state] || "#000";
-      const x0 = Math.max(left, xOf(t)), x1 = xOf(end);
-      if (x1 > x0) ctx.fillRect(x0, y + 1, Math.max(1, x1 - x0), rowH - 2);
-    }
+      if (x1 > left) ctx.fillRect(x0, y + 1, Math.max(1, x1 - x0), rowH - 2);
+    });
   });
 }
 
@@ -98,7 +85,7 @@ function render(s) {
   setText("tokens", s.tokens_generated);
   drawPageMap(s);
   drawRate(s.time);
-  drawTimeline(s.time);
+  drawTimeline(s.requests);
 }
 
 function connect() {
@@ -108,7 +95,7 @@ function connect() {
   source.onerror = () => { status.textContent = "reconnecting"; status.className = "off"; };
   source.onmessage = (event) => {
     const snapshot = JSON.parse(event.data);
-    recordSnapshot(snapshot);
+    recordRate(snapshot);
     render(snapshot);
   };
 }
