@@ -43,3 +43,33 @@ def test_sampling_params_stop_is_validated_and_normalized():
     for bad in ("", [""], [1], 3, ["a", None]):
         with pytest.raises(ValueError, match="stop"):
             SamplingParams(stop=bad)
+
+
+# ---- in the engine: LLM.generate and streamed handles ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from serve_helpers import write_tiny_chat_model
+
+    from engine.llm import LLM
+    return LLM(write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")), backend="numpy", max_context=128)
+
+
+def test_generate_ends_at_a_stop_string(llm):
+    full = llm.generate("Stop strings end", SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = llm.generate("Stop strings end", SamplingParams(max_new_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert cut.text == full.text[:full.text.index(stop)] and cut.finish_reason == "stop"
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
+    handle = llm.submit("Stop strings end", SamplingParams(max_new_tokens=20, ignore_eos=True, stop=stop))
+    events = list(handle.stream())
+    assert "".join(e.text for e in events) == cut.text and events[-1].finish_reason == "stop"
+    assert llm.stats()["pages_used"] == 0
+
+
+def test_stop_strings_need_a_tokenizer(tmp_path):
+    from engine.llm import LLM
+    from engine.random_model import write_random_model
+    bare = LLM(write_random_model(tmp_path / "m", "tiny"), backend="numpy", max_context=64)
+    with pytest.raises(ValueError, match="stop strings need text"):
+        bare.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, stop="x"))
