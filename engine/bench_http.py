@@ -8,7 +8,7 @@ twice in one run:
    requests sent at once by this process as streaming /v1/completions calls over loopback.
 
 The record gives both output tokens/s, their ratio, and time to first token as the clients saw it
-(request sent -> first streamed text), p50 and p99. The server and the load generator are separate
+(request sent -> first streamed chunk), p50 and p99. The server and the load generator are separate
 processes, as in production: the clients' JSON parsing does not compete with the engine loop.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def stream_all(url: str, prompts, max_tokens) -> tuple[float, list[float],
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                    if first is None and chunk["choices"]:      # one chunk per sampled token
                         first = time.perf_counter() - sent
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]

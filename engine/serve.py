@@ -163,7 +163,7 @@ class OpenAIServer:
                     yield sse(chunk)
                 async for ev in handle.astream():
                     n_tokens += len(ev.token_ids)
-                    if ev.text:
+                    if ev.text or (ev.token_ids and not ev.finished):   # tokens without text yet: ""
                         yield sse(piece(ev.text))
                     if ev.finished:
                         reason = ev.finish_reason
