@@ -43,6 +43,12 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        # NumPy scalars pass the checks above; store plain Python numbers so that nothing downstream
+        # (the scheduler's int checks, the seed arithmetic, JSON) meets a fixed-width type.
+        for name, cast in (("max_new_tokens", int), ("temperature", float), ("top_k", int), ("top_p", float)):
+            object.__setattr__(self, name, cast(getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
