@@ -122,7 +122,7 @@ def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.nd
     R = len(params)
     if not is_device_array(logits):
         return np.array([sample_ref(logits[r], p.temperature, p.top_k, p.top_p, u)
-                         for r, (p, u) in enumerate(zip(params, uniforms))], dtype=np.int32)
+                         for r, (p, u) in enumerate(zip(params, uniforms, strict=True))], dtype=np.int32)
     import cupy as cp
     if all(p.greedy for p in params):
         return cp.asnumpy(argmax_rows(logits))

@@ -10,10 +10,10 @@ import weakref
 
 import numpy as np
 import pytest
+from oracle_helpers import ForwardCounter, gen_model_dir, greedy_no_cache
 
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from oracle_helpers import ForwardCounter, gen_model_dir, greedy_no_cache
 
 MAX_CONTEXT = 64
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
