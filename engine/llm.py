@@ -104,8 +104,11 @@ class LLM:
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
             allocator = PageAllocator(self.cache.num_blocks, self.page_size)
+        # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
+        # stops a request as well as the config's.
+        eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         self.config.eos_token_ids, policy=self.batching, admission=self.admission)
+                         eos, policy=self.batching, admission=self.admission)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:

@@ -50,6 +50,12 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
+        # NumPy scalars pass the checks above; store plain Python numbers so that nothing downstream
+        # (the scheduler's int checks, the seed arithmetic, JSON) meets a fixed-width type.
+        for name, cast in (("max_new_tokens", int), ("temperature", float), ("top_k", int), ("top_p", float)):
+            object.__setattr__(self, name, cast(getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
@@ -123,7 +129,7 @@ def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.nd
     R = len(params)
     if not is_device_array(logits):
         return np.array([sample_ref(logits[r], p.temperature, p.top_k, p.top_p, u)
-                         for r, (p, u) in enumerate(zip(params, uniforms))], dtype=np.int32)
+                         for r, (p, u) in enumerate(zip(params, uniforms, strict=True))], dtype=np.int32)
     import cupy as cp
     if all(p.greedy for p in params):
         return cp.asnumpy(argmax_rows(logits))
