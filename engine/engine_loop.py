@@ -11,7 +11,8 @@ thread runs the loop while there is work and sleeps on a condition variable when
 Every new request joins the running batch at the next step; a cancelled one leaves at the next step
 boundary with its pages freed. Stop strings (SamplingParams.stop) are checked here, on the text the
 detokenizer produces: the scheduler sees only token ids, so when a request's text reaches one of its
-stop strings the loop ends it (finish_reason "stop", pages freed) and its text ends before the string. A forward pass that raises fails the requests of that batch with the
+stop strings the loop ends it (finish_reason "stop", pages freed) and its text ends before the string.
+A forward pass that raises fails the requests of that batch with the
 exception (their handles re-raise it) and the engine carries on with the others. `LLM.generate`,
 the chat and the HTTP server all go through this loop: nothing else writes the cache.
 
