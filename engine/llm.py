@@ -5,6 +5,12 @@ only metadata) one step at a time:
 
     schedule() -> Batch  ->  model.forward(ForwardBatch, cache)  ->  sample  ->  complete()
 
+One engine loop (engine/engine_loop.py) owns the model, the cache and one long-lived scheduler:
+`submit()` hands it a request from any thread and returns a handle that streams tokens; `generate()`
+is submit() for a list of prompts, then waiting. An LLM is therefore safe to share between threads.
+`new_scheduler()` + `step(sched, seeds)` drive the same runner by hand (chapters 10-11), only while
+the engine loop serves nothing.
+
 Batching is "continuous" (admit whenever capacity frees up) or "static" (one group at a time);
 the cache is "paged" (a shared pool of 16-token pages) or "contiguous" (one max_context slot per
 sequence). Every combination returns the same greedy tokens: the tests hold them to it.
@@ -13,15 +19,17 @@ from __future__ import annotations
 
 import numbers
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.backend import resolve_backend
 from engine.config import load_config
+from engine.engine_loop import BatchFailed, EngineLoop, RequestHandle
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, load_model
 from engine.paged_kv import PageAllocator, SlotAllocator
-from engine.sampling import SamplingParams, resolve_seed, sample, step_uniform
+from engine.sampling import SamplingParams, sample, step_uniform
 from engine.scheduler import Scheduler
 
 BATCHING = ("continuous", "static")
@@ -34,7 +42,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]       # generated tokens (a stopping eos included)
     text: str                  # decoded generated text (special tokens skipped); "" without a tokenizer
-    finish_reason: str         # "stop" | "length"
+    finish_reason: str         # "stop" | "length" | "cancelled"
 
 
 def default_max_context(model_max: int) -> int:
@@ -68,6 +76,7 @@ class LLM:
         self.page_size = page_size
         self.cache = self._allocate_cache(kv_cache_mib)
         self.last_step_log: list[dict] = []
+        self._engine = EngineLoop(self)
 
     # ---- memory ------------------------------------------------------------------------------
     def _default_kv_mib(self) -> float:
@@ -95,8 +104,11 @@ class LLM:
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
             allocator = PageAllocator(self.cache.num_blocks, self.page_size)
+        # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
+        # stops a request as well as the config's.
+        eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         self.config.eos_token_ids, policy=self.batching, admission=self.admission)
+                         eos, policy=self.batching, admission=self.admission)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -108,10 +120,34 @@ class LLM:
         self.model.validate_tokens(ids)
         return [int(t) for t in ids]
 
+    def submit(self, prompt, params: SamplingParams | None = None, *, session=None) -> RequestHandle:
+        """Queue one prompt (text or token ids) from any thread; it joins the running batch at the next
+        step. Returns a handle: .stream() / .astream() events, .result(), .cancel(), .request_id.
+
+        Invalid prompts or params raise ValueError here, before anything runs. `session` (any hashable)
+        keeps the request's KV pages after it ends, for the next request of that session to reuse
+        its common prefix (a chat's next turn computes only the new tokens).
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be an engine.SamplingParams")
+        return self._engine.submit(self._prompt_ids(prompt), params, session)
+
+    def drop_session(self, session) -> None:
+        """Free the KV pages kept for `session` (a conversation that was reset or closed)."""
+        self._engine.drop_session(session)
+
+    def stats(self) -> dict:
+        """A plain-dict snapshot of the engine: running/waiting counts, the page map (pages_total,
+        pages_used, page_owners: request id per page, -1 free, -2 cached for a session), per-request
+        states with timestamps (time.monotonic()), time-to-first-token values, tokens generated."""
+        return self._engine.stats()
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Serve every prompt (strings or token-id lists); results in input order.
 
-        Every request is checked before anything runs: a ValueError leaves nothing behind.
+        Every request is checked before anything runs: a ValueError leaves nothing behind. Safe to call
+        from several threads at once: all requests share the engine loop's batches.
         """
         if isinstance(prompts, str) or (len(prompts) and all(isinstance(t, numbers.Integral) for t in prompts)):
             prompts = [prompts]     # one prompt (text or token ids) rather than a list of them
@@ -121,24 +157,49 @@ class LLM:
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ValueError("params must be engine.SamplingParams (one, or one per prompt)")
-        sched = self.new_scheduler()
-        ids = [sched.submit(self._prompt_ids(p), sp) for p, sp in zip(prompts, plist)]
-        seeds = {rid: resolve_seed(sp) for rid, sp in zip(ids, plist)}
-        results = {}
-        while sched.has_unfinished():
-            if not self.step(sched, seeds):
-                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
-            results.update((r.request_id, r) for r in sched.pop_finished())
-        results.update((r.request_id, r) for r in sched.pop_finished())
-        self.last_step_log = sched.step_log
-        return [self._output(results[rid]) for rid in ids]
+        ids = [self._prompt_ids(p) for p in prompts]
+        for prompt_ids, sp in zip(ids, plist, strict=True):
+            self._engine.validate(prompt_ids, sp)
+        log = self._engine.collect_steps()
+        handles = []
+        try:
+            handles = [self._engine.submit(prompt_ids, sp) for prompt_ids, sp in zip(ids, plist, strict=True)]
+            outputs = [handle.result() for handle in handles]
+        except BaseException:          # an error or Ctrl-C: the rest of this call is not wanted
+            for handle in handles:
+                handle.cancel()
+            raise
+        finally:
+            self._engine.stop_collecting(log)
+        self.last_step_log = log
+        return outputs
+
+    def close(self) -> None:
+        """Stop the engine loop (it also stops when the LLM is garbage-collected)."""
+        self._engine.close()
 
     def step(self, sched: Scheduler, seeds: dict[int, int]) -> bool:
-        """One forward pass of whatever the scheduler picks; a failure leaves its state unchanged.
-        False when there was nothing to run."""
+        """Drive a scheduler of new_scheduler() by hand: one forward pass of whatever it picks; a
+        failure leaves its state unchanged and re-raises. False when there was nothing to run.
+        Refused while the engine loop serves requests (both would write the same cache)."""
+        engine = self._engine
+        with engine.lock:
+            if sched is not engine.scheduler:
+                if engine.scheduler.has_unfinished():
+                    raise RuntimeError("the engine loop is serving requests: wait for them before stepping by hand")
+                engine.scheduler.drop_all_sessions()     # their cached pages are about to be overwritten
+                engine.manual = weakref.ref(sched)
+            try:
+                return self._step(sched, seeds) is not None
+            except BatchFailed as failed:
+                raise failed.__cause__ from None
+
+    def _step(self, sched: Scheduler, seeds: dict[int, int]):
+        """schedule -> forward -> sample -> complete. (batch, sampled tokens), or None when there was
+        nothing to run; a failed forward pass is undone (sched.fail) and raised as BatchFailed."""
         batch = sched.schedule()
         if batch is None:
-            return False
+            return None
         t0 = time.perf_counter()
         try:
             fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
@@ -146,13 +207,9 @@ class LLM:
             logits = self.model.forward(fb, self.cache)
             tokens = sample(logits, [row.params for row in batch.rows],
                             [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows])
-        except BaseException:
+        except BaseException as exc:
             sched.fail(batch.batch_id)
-            raise
+            raise BatchFailed([row.request_id for row in batch.rows]) from exc
         sched.complete(batch.batch_id, tokens.tolist())
         sched.step_log[-1]["seconds"] = time.perf_counter() - t0
-        return True
-
-    def _output(self, result) -> RequestOutput:
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        return RequestOutput(result.prompt_ids, result.token_ids, text, result.finish_reason)
+        return batch, tokens

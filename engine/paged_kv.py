@@ -43,6 +43,7 @@ class BlockAllocator:
         can_reserve(seq_id, new_len) -> bool       would reserve() succeed right now?
         reserve(seq_id, new_len) -> list[int]      grow seq's table to cover positions < new_len
         free(seq_id)                               give all of seq's blocks back
+        adopt(seq_id, from_seq_id, keep_tokens)    move a table to a new owner, cut to keep_tokens
         commit() / rollback() / in_transaction     make permanent / undo everything since last commit
         block_table(seq_id) -> list[int]           a copy of seq's table ([] if it has none)
         has_table(seq_id) -> bool
@@ -64,6 +65,7 @@ class BlockAllocator:
         self._tables: dict[int, list[int]] = {}
         # Undo records since the last commit, newest last:
         #   ("reserve", seq_id, n_taken, table_was_new)   ("free", seq_id, old_table)
+        #   ("adopt", seq_id, from_seq_id, from_seq's whole table)
         self._journal: list[tuple] = []
 
     # ---- sizes ---------------------------------------------------------------------------------
@@ -125,6 +127,20 @@ class BlockAllocator:
         self._free.extend(table)
         self._journal.append(("free", seq_id, table))
 
+    def adopt(self, seq_id: int, from_seq_id: int, keep_tokens: int) -> None:
+        """Hand from_seq's table to seq (which holds none), keeping the blocks that cover positions
+        < keep_tokens and freeing the rest: a new request takes over a finished one's cached prefix."""
+        if seq_id in self._tables or from_seq_id not in self._tables:
+            raise AllocatorError(f"adopt needs a table for {from_seq_id} and none for {seq_id}")
+        keep = self.blocks_needed(keep_tokens)
+        if keep == 0:
+            self.free(from_seq_id)
+            return
+        old_table = self._tables.pop(from_seq_id)
+        self._tables[seq_id] = old_table[:keep]
+        self._free.extend(old_table[keep:])
+        self._journal.append(("adopt", seq_id, from_seq_id, old_table))
+
     # ---- transactions --------------------------------------------------------------------------
     def commit(self) -> None:
         self._journal.clear()
@@ -140,6 +156,11 @@ class BlockAllocator:
                     self._free.appendleft(table.pop())
                 if table_was_new:
                     del self._tables[seq_id]
+            elif record[0] == "adopt":
+                _, seq_id, from_seq_id, old_table = record
+                for _ in old_table[len(self._tables.pop(seq_id)):]:
+                    self._free.pop()
+                self._tables[from_seq_id] = old_table
             else:
                 _, seq_id, old_table = record
                 for _ in old_table:

@@ -57,6 +57,14 @@ negative or non-integer token ids, a prompt of max_context tokens or more (one p
 left for the answer), max_new_tokens < 0, or a worst case larger than the whole pool (with either
 admission: on demand, such a request could not finish even alone).
 
+Sessions (prefix reuse between the turns of a conversation): submit(..., session=key). When a request
+of a session finishes (or is cancelled) while running, its pages are not freed but *parked* under the
+key with the tokens whose K/V they hold. The next request of that session that is admitted adopts
+them: the common prefix of the parked tokens and its own (at most all but its last token) is not
+computed again, the pages past it are freed. Parked pages are a cache, never a promise: admission
+counts them as free, and any reservation that finds the free list short evicts parked tables first
+(least recently parked first), before it preempts anyone. drop_session(key) frees one at once.
+
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
 flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
 allocator (same free list order, so a retry takes the same blocks), counters and batch id exactly.
@@ -64,8 +72,9 @@ submit() is allowed at any time; requests submitted while a batch is in flight s
 """
 from __future__ import annotations
 
+import numbers
 import operator
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,10 +191,27 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     status: str = "waiting"  # "waiting" | "running" (finished requests leave the scheduler)
     num_preemptions: int = 0
+    session: object = None   # hashable key: its pages are parked for the session's next request
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+
+@dataclass
+class _Parked:
+    """The pages a finished request of a session left behind: K/V of `tokens`, in table `seq_id`."""
+    seq_id: int
+    tokens: list[int]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -199,6 +225,7 @@ class _Saved:
     next_batch_id: int
     next_request_id: int
     num_preemptions: int
+    parked: list[tuple[object, _Parked]]
 
 
 @dataclass
@@ -255,11 +282,32 @@ class Scheduler:
         self._in_flight: _InFlight | None = None
         self._logged_request_id = 0                # requests below this id arrived before a logged step
         self.num_preemptions = 0
+        self.num_steps = 0                         # completed steps (step_log may be drained by a loop)
+        self._parked: OrderedDict[object, _Parked] = OrderedDict()   # session -> parked pages, LRU first
         self.step_log: list[StepRecord] = []
 
     # ---- requests in -------------------------------------------------------------------------
-    def submit(self, prompt_ids, params) -> int:
-        """Queue a request and return its id; InvalidRequest if it can never be served."""
+    def submit(self, prompt_ids, params, session=None) -> int:
+        """Queue a request and return its id; InvalidRequest if it can never be served.
+
+        `session`: a hashable key; the request reuses (and leaves behind) the session's cached pages.
+        """
+        prompt, max_new, worst_blocks = self.validate(prompt_ids, params)
+        request_id = self._new_request_id()
+        if max_new == 0:   # nothing to generate: finished at once, never scheduled
+            self._finished.append(Result(request_id, prompt, [], "length"))
+            return request_id
+        self._requests[request_id] = _Request(request_id, prompt, params, max_new,
+                                              bool(getattr(params, "ignore_eos", False)),
+                                              worst_blocks, session=session)
+        self._waiting.append(request_id)
+        return request_id
+
+    def validate(self, prompt_ids, params) -> tuple[list[int], int, int]:
+        """(prompt, max_new_tokens, worst-case blocks) of a servable request, else InvalidRequest.
+
+        Depends only on the sizes fixed at construction: safe to call from any thread.
+        """
         try:
             prompt = [operator.index(t) for t in prompt_ids]
         except TypeError as e:
@@ -272,12 +320,11 @@ class Scheduler:
             raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of "
                                  f"{self.max_context} with room for one new token")
         max_new = getattr(params, "max_new_tokens", None)
-        if not isinstance(max_new, int) or max_new < 0:
+        if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
             raise InvalidRequest(f"max_new_tokens must be an int >= 0, got {max_new!r}")
-        if max_new == 0:   # nothing to generate: finished at once, never scheduled
-            request_id = self._new_request_id()
-            self._finished.append(Result(request_id, prompt, [], "length"))
-            return request_id
+        max_new = int(max_new)
+        if max_new == 0:
+            return prompt, 0, 0
         # The last sampled token is never fed back, so the cache holds one token less than the end.
         cached_tokens = min(len(prompt) + max_new, self.max_context) - 1
         worst_blocks = self.allocator.blocks_needed(cached_tokens)
@@ -287,12 +334,7 @@ class Scheduler:
                 f"{self.allocator.block_size}), larger than the whole KV pool "
                 f"({self.allocator.num_blocks} blocks, at most {self.allocator.max_seq_len} "
                 f"tokens per sequence)")
-        request_id = self._new_request_id()
-        self._requests[request_id] = _Request(request_id, prompt, params, max_new,
-                                              bool(getattr(params, "ignore_eos", False)),
-                                              worst_blocks)
-        self._waiting.append(request_id)
-        return request_id
+        return prompt, max_new, worst_blocks
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -332,7 +374,7 @@ class Scheduler:
             raise ValueError(f"sampled token ids must be >= 0, got {min(tokens)}")
         self._in_flight = None
         finished = []
-        for row, token in zip(flight.batch.rows, tokens):
+        for row, token in zip(flight.batch.rows, tokens, strict=True):
             request = self._requests[row.request_id]
             request.generated.append(token)
             reason = self._finish_reason(request, token)
@@ -341,6 +383,8 @@ class Scheduler:
                 finished.append(request.request_id)
         self.allocator.commit()
         flight.log_entry["finished"] = finished
+        flight.log_entry["sampled"] = tokens
+        self.num_steps += 1
         self.step_log.append(flight.log_entry)
         self._logged_request_id = flight.arrived_before
 
@@ -358,6 +402,7 @@ class Scheduler:
         self._group, self._group_decoding = saved.group, saved.group_decoding
         self._next_batch_id = saved.next_batch_id
         self.num_preemptions = saved.num_preemptions
+        self._parked = OrderedDict(saved.parked)
 
     # ---- requests out ------------------------------------------------------------------------
     def cancel(self, request_id: int) -> Result:
@@ -376,6 +421,19 @@ class Scheduler:
         self.allocator.commit()
         return result
 
+    def drop_session(self, session) -> None:
+        """Free the pages parked for `session` (if any). Between steps only."""
+        if self._in_flight is not None:
+            raise SchedulerError("drop_session() between steps only: a batch is in flight")
+        parked = self._parked.pop(session, None)
+        if parked is not None:
+            self.allocator.free(parked.seq_id)
+            self.allocator.commit()
+
+    def drop_all_sessions(self) -> None:
+        for session in list(self._parked):
+            self.drop_session(session)
+
     def pop_finished(self) -> list[Result]:
         """Results of the requests finished since the last call, in finishing order."""
         finished, self._finished = self._finished, []
@@ -390,7 +448,7 @@ class Scheduler:
             "policy": self.policy,
             "admission": self.admission,
             "in_flight": None if self._in_flight is None else self._in_flight.batch.batch_id,
-            "step": len(self.step_log),
+            "step": self.num_steps,
             "waiting": list(self._waiting),
             "running": list(self._running),
             "num_tokens": {rid: r.num_tokens for rid, r in self._requests.items()},
@@ -407,6 +465,7 @@ class Scheduler:
             "total_preemptions": self.num_preemptions,
             "next_batch_id": self._next_batch_id,
             "finished": [result.request_id for result in self._finished],
+            "parked_tables": {p.seq_id: self.allocator.block_table(p.seq_id) for p in self._parked.values()},
         }
 
     # ---- internals ---------------------------------------------------------------------------
@@ -426,21 +485,38 @@ class Scheduler:
                 break
             if rows and num_tokens + n > self.max_batch_tokens:
                 break
-            if not self.allocator.can_reserve(request.request_id, n):
+            tokens = request.prompt_ids + request.generated
+            parked = self._parked.get(request.session) if request.session is not None else None
+            own = len(self.allocator.block_table(parked.seq_id)) if parked else 0
+            evictable = sum(len(self.allocator.block_table(p.seq_id)) for p in self._parked.values()) - own
+            if n > self.allocator.max_seq_len or \
+                    self.allocator.blocks_needed(n) > self.allocator.num_free + own + evictable:
                 break
             if (self.admission == "conservative"
                     and promised + request.worst_blocks > self.allocator.num_blocks):
                 break
             self._waiting.popleft()
+            while self.allocator.blocks_needed(n) > self.allocator.num_free + own:
+                self._evict_oldest_parked(keep=request.session)
+            reused = 0
+            if parked:   # adopt the session's pages: their common prefix is not computed again
+                reused = min(common_prefix(parked.tokens, tokens), n - 1)
+                del self._parked[request.session]
+                self.allocator.adopt(request.request_id, parked.seq_id, reused)
             self.allocator.reserve(request.request_id, n)
             request.status = "running"
             self._running.append(request.request_id)
             if self.policy == "static" and request.request_id not in self._group:
                 self._group.append(request.request_id)
             promised += request.worst_blocks
-            num_tokens += n
-            rows.append(self._row(request, request.prompt_ids + request.generated, start_pos=0))
+            num_tokens += n - reused
+            rows.append(self._row(request, tokens[reused:], start_pos=reused))
         return rows
+
+    def _evict_oldest_parked(self, keep=None) -> None:
+        """Free the least recently parked table (never `keep`'s); the caller checked one exists."""
+        session = next(s for s in self._parked if s != keep)
+        self.allocator.free(self._parked.pop(session).seq_id)
 
     def _has_seat(self, request: _Request) -> bool:
         if self.policy == "continuous":
@@ -456,6 +532,9 @@ class Scheduler:
         while queue:
             request = self._requests[queue.popleft()]
             while not self.allocator.can_reserve(request.request_id, request.num_tokens):
+                if self._parked and request.num_tokens <= self.allocator.max_seq_len:
+                    self._evict_oldest_parked()   # cached pages go before anyone is preempted
+                    continue
                 victim = queue.pop() if queue else request.request_id
                 self._preempt(victim)
                 preempted.append(victim)
@@ -493,7 +572,14 @@ class Scheduler:
         """Remove a request for good, free its memory, end a static group it was the last of."""
         if request.status == "running":
             self._running.remove(request.request_id)
-            self.allocator.free(request.request_id)
+            if request.session is not None:   # keep the pages for the session's next request
+                old = self._parked.pop(request.session, None)
+                if old is not None:
+                    self.allocator.free(old.seq_id)
+                cached = (request.prompt_ids + request.generated)[:request.num_tokens - 1]
+                self._parked[request.session] = _Parked(request.request_id, cached)
+            else:
+                self.allocator.free(request.request_id)
         del self._requests[request.request_id]
         if self._group and not any(member in self._requests for member in self._group):
             self._group, self._group_decoding = [], False
@@ -513,7 +599,8 @@ class Scheduler:
         return _Saved(list(self._waiting), list(self._running),
                       {rid: (r.status, r.num_preemptions) for rid, r in self._requests.items()},
                       list(self._group), self._group_decoding, self._next_batch_id,
-                      self._next_request_id, self.num_preemptions)
+                      self._next_request_id, self.num_preemptions,
+                      list(self._parked.items()))
 
     def _log_entry(self, batch: Batch, preempted: list[int]) -> StepRecord:
         # A running request has generated at least one token, so a prefill row with generated
@@ -524,16 +611,18 @@ class Scheduler:
         in_batch = {row.request_id for row in batch.rows}
         cached = sum(self._requests[rid].num_tokens - (rid not in in_batch) for rid in self._running)
         return {
-            "step": len(self.step_log),
+            "step": self.num_steps,
             "batch_id": batch.batch_id,
             "kind": batch.kind,
             "request_ids": [row.request_id for row in batch.rows],
+            "start_positions": [row.start_pos for row in batch.rows],
             "rows": len(batch.rows),
             "tokens": batch.num_tokens,
             "context_tokens": int(sum(row.context_len for row in batch.rows)),
             "arrived": list(range(self._logged_request_id, self._next_request_id)),
             "admitted": [row.request_id for row in prefill_rows if not row.num_generated],
             "recomputed_tokens": sum(len(row.token_ids) for row in prefill_rows if row.num_generated),
+            "reused_tokens": sum(row.start_pos for row in prefill_rows),
             "preempted": list(preempted),
             "running": len(self._running),
             "waiting": len(self._waiting),

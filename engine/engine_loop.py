@@ -1,0 +1,469 @@
+"""The online engine (chapter 12): one loop owns the model, the KV cache and the scheduler.
+
+Requests arrive from any thread (or asyncio coroutine) at any time through `EngineLoop.submit`,
+which checks them at once (a ValueError before anything runs) and queues them. One background
+thread runs the loop while there is work and sleeps on a condition variable when there is none
+(no busy-spinning):
+
+    take the queued submissions and cancellations -> schedule -> forward -> sample -> complete
+    -> hand every request its new token (and text) -> repeat
+
+Every new request joins the running batch at the next step; a cancelled one leaves at the next step
+boundary with its pages freed. Stop strings (SamplingParams.stop) are checked here, on the text the
+detokenizer produces: the scheduler sees only token ids, so when a request's text reaches one of its
+stop strings the loop ends it (finish_reason "stop", pages freed) and its text ends before the string.
+A forward pass that raises fails the requests of that batch with the
+exception (their handles re-raise it) and the engine carries on with the others. `LLM.generate`,
+the chat and the HTTP server all go through this loop: nothing else writes the cache.
+
+The thread holds the LLM only through a weak reference while it sleeps, so dropping the last
+reference to an LLM frees its model and cache (and ends the thread).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from engine.sampling import resolve_seed
+from engine.stop_strings import StopStringMatcher
+
+RECENT_REQUESTS = 256     # finished requests kept for stats() (a dashboard's timeline)
+RECENT_STEPS = 512        # steps kept for stats()' throughput figure
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one step did for one request. The texts of all events concatenate to the full decode."""
+    request_id: int
+    token_ids: list[int]          # new token ids (one per step; none in a "cancelled" event)
+    text: str                     # new text; a UTF-8 character split over tokens comes out whole
+    finished: bool
+    finish_reason: str | None     # "stop" | "length" | "cancelled" | None while running
+
+
+class BatchFailed(Exception):
+    """A forward pass raised (the scheduler has already undone the step); __cause__ is the error."""
+
+    def __init__(self, request_ids: list[int]):
+        super().__init__(f"the step of requests {request_ids} failed")
+        self.request_ids = request_ids
+
+
+class RequestHandle:
+    """One submitted request: stream its tokens, wait for its result, or cancel it (any thread)."""
+
+    def __init__(self, engine: EngineLoop, request_id: int, prompt_token_ids: list[int], params, session):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params, self.session = params, session
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._events: list[StreamEvent] = []
+        self._output = None           # RequestOutput once finished
+        self._error: BaseException | None = None
+        self._listeners: list = []    # callables run (on the engine thread) after each new event
+        # Timeline for stats() and the chat's /stats (time.monotonic() seconds), written by the loop.
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.state = "waiting"        # waiting | prefill | decode | preempted | finished
+        self.transitions: list[tuple[str, float]] = [("waiting", self.submitted_at)]
+        self.num_generated = 0
+        self.reused_tokens = 0        # prompt tokens whose K/V came from the session's cached pages
+        self.num_preemptions = 0
+
+    # ---- consumer side -------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._output is not None or self._error is not None
+
+    def stream(self, heartbeat: float | None = None) -> Iterator[StreamEvent | None]:
+        """Yield events as they come, the last one with finished=True; re-raises a failure.
+
+        heartbeat: also yield None after that many seconds without an event (progress displays).
+        """
+        i = 0
+        while True:
+            with self._cond:
+                if i == len(self._events) and not self.done:
+                    self._cond.wait(heartbeat)
+                new, error, done = self._events[i:], self._error, self.done
+            i += len(new)
+            yield from new            # no event is added once done: these were the last ones
+            if done:
+                if error is not None:
+                    raise error
+                return
+            if not new and heartbeat is not None:
+                yield None
+
+    async def astream(self) -> AsyncIterator[StreamEvent]:
+        """The same as stream(), for asyncio: waiting never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:      # the event loop is closed: nobody is listening any more
+                pass
+
+        with self._cond:
+            self._listeners.append(notify)
+        try:
+            i = 0
+            while True:
+                wake.clear()
+                with self._cond:
+                    new, error, done = self._events[i:], self._error, self.done
+                i += len(new)
+                for event in new:
+                    yield event
+                if done and i == len(self._events):
+                    if error is not None:
+                        raise error
+                    return
+                if not new:
+                    await wake.wait()
+        finally:
+            with self._cond:
+                self._listeners.remove(notify)
+
+    def result(self, timeout: float | None = None):
+        """Block until the request ends; its RequestOutput, or the exception that failed it."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.request_id} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._output
+
+    def cancel(self) -> None:
+        """Stop the request at the next step boundary (its pages are freed then). No-op once done."""
+        self._engine.cancel(self.request_id)
+
+    # ---- engine side ---------------------------------------------------------------------------
+    def _push(self, event: StreamEvent | None, output=None, error: BaseException | None = None) -> None:
+        with self._cond:
+            if event is not None:
+                self._events.append(event)
+            self._output, self._error = output, error
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for notify in listeners:
+            notify()
+
+    def _enter(self, state: str, at: float) -> None:
+        if state != self.state:
+            self.state = state
+            self.transitions.append((state, at))
+
+    def info(self) -> dict:
+        """Plain data for stats()."""
+        return {"request_id": self.request_id, "state": self.state, "prompt_tokens": len(self.prompt_token_ids),
+                "generated_tokens": self.num_generated, "reused_tokens": self.reused_tokens,
+                "preemptions": self.num_preemptions, "submitted": self.submitted_at,
+                "first_token": self.first_token_at, "finished": self.finished_at,
+                "finish_reason": self._output.finish_reason if self._output is not None else
+                ("error" if self._error is not None else None),
+                "timeline": list(self.transitions)}
+
+
+class EngineLoop:
+    """The loop behind one LLM. See the module docstring."""
+
+    def __init__(self, llm):
+        self._llm_ref = weakref.ref(llm, lambda _ref: self.close())
+        self.lock = threading.Lock()          # held for each loop iteration and by hand-driven steps
+        self._cv = threading.Condition()      # guards the queues below and the thread's sleep
+        self._pending: list[RequestHandle] = []
+        self._cancels: set[int] = set()
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._has_work = False                # the scheduler holds unfinished requests (loop thread)
+        self._busy = False                    # the loop thread is inside an iteration
+        self._stats_wanted = 0
+        self._stats_served = 0
+        self._stats: dict | None = None
+        self._tokenizer = llm.tokenizer
+        self.scheduler = llm.new_scheduler()
+        self.manual = None                    # weakref to a scheduler driven by hand (LLM.step)
+        # Owned by the loop thread:
+        self._handles: dict[int, RequestHandle] = {}
+        self._seeds: dict[int, int] = {}
+        self._detok: dict[int, object] = {}
+        self._stops: dict[int, StopStringMatcher] = {}     # requests with stop strings
+        self._collectors: list[list[dict]] = []
+        self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
+        self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, rows, kind)
+        self._ttft: deque[float] = deque(maxlen=RECENT_REQUESTS)
+        self.tokens_generated = 0
+        self.num_steps = 0
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params) -> list[int]:
+        """The prompt as a list of ints if the request can be served, else ValueError (thread-safe)."""
+        prompt, _, _ = self.scheduler.validate(prompt_ids, params)   # constants only
+        if getattr(params, "stop", ()) and self._tokenizer is None:
+            raise ValueError("stop strings need text: this model directory has no tokenizer.json")
+        return prompt
+
+    def submit(self, prompt_ids: list[int], params, session=None) -> RequestHandle:
+        prompt = self.validate(prompt_ids, params)
+        manual = self.manual() if self.manual is not None else None
+        if manual is not None and manual.has_unfinished():
+            raise RuntimeError("this LLM is being stepped by hand (LLM.step) and still holds requests there")
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("this LLM was closed")
+            handle = RequestHandle(self, self._next_id, prompt, params, session)
+            self._next_id += 1
+            self._pending.append(handle)
+            self._start_thread()
+            self._cv.notify_all()
+        return handle
+
+    def cancel(self, request_id: int) -> None:
+        with self._cv:
+            self._cancels.add(request_id)
+            self._cv.notify_all()
+
+    def drop_session(self, session) -> None:
+        with self.lock:                      # between two iterations: the scheduler is at rest
+            self.scheduler.drop_session(session)
+
+    def collect_steps(self) -> list[dict]:
+        """A list that receives every step's log entry until stop_collecting() (LLM.last_step_log)."""
+        log: list[dict] = []
+        with self._cv:
+            self._collectors.append(log)
+        return log
+
+    def stop_collecting(self, log: list[dict]) -> None:
+        with self._cv:
+            self._collectors = [c for c in self._collectors if c is not log]
+
+    def stats(self) -> dict:
+        """A plain-dict snapshot, taken between two steps (waits for at most one step)."""
+        with self._cv:
+            if not self._busy:               # the loop sleeps (or never started): nothing moves
+                with self.lock:
+                    return self._build_stats()
+            ticket = self._stats_wanted = self._stats_wanted + 1
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._stats_served >= ticket or not self._busy)
+            if self._stats_served >= ticket:
+                return self._stats
+            with self.lock:
+                return self._build_stats()
+
+    def close(self) -> None:
+        """Stop the thread; requests still queued or running fail with RuntimeError."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    # ---- the loop thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+                self._cv.wait_for(lambda: self._pending or self._cancels or self._has_work or self._closed)
+                self._busy = True
+                pending, self._pending = self._pending, []
+                cancels, self._cancels = self._cancels, set()
+                closed = self._closed
+            llm = self._llm_ref()
+            with self.lock:
+                for handle in pending:
+                    self._handles[handle.request_id] = handle
+                if closed or llm is None:
+                    self._fail_all(RuntimeError("the LLM was closed"))
+                    with self._cv:
+                        self._busy = False
+                        self._cv.notify_all()
+                    return
+                try:
+                    self._iteration(llm, pending, cancels)
+                except BaseException as exc:     # a bug, not a model error: fail everything, start afresh
+                    self._fail_all(exc)
+                    self.scheduler = llm.new_scheduler()
+                    if not isinstance(exc, Exception):
+                        raise
+                finally:
+                    self._has_work = self.scheduler.has_unfinished()
+                    self._serve_stats()
+            del llm
+
+    def _iteration(self, llm, pending: list[RequestHandle], cancels: set[int]) -> None:
+        sched = self.scheduler
+        for handle in pending:
+            request_id = sched.submit(handle.prompt_token_ids, handle.params, session=handle.session)
+            if request_id != handle.request_id:
+                raise RuntimeError(f"engine and scheduler request ids diverged ({handle.request_id} != {request_id})")
+            self._seeds[request_id] = resolve_seed(handle.params)
+            if self._tokenizer is not None:
+                self._detok[request_id] = self._tokenizer.detokenizer(skip_special_tokens=True)
+            if handle.params.stop:
+                self._stops[request_id] = StopStringMatcher(handle.params.stop)
+        self._finish(sched.pop_finished())         # max_new_tokens == 0: finished by submit()
+        for request_id in cancels:
+            if request_id in self._handles:
+                self._finish([sched.cancel(request_id)])
+        if not sched.has_unfinished():
+            return
+        t0 = time.monotonic()
+        try:
+            ran = llm._step(sched, self._seeds)
+        except BatchFailed as failed:
+            for request_id in failed.request_ids:
+                sched.cancel(request_id)
+                sched.drop_session(self._handles[request_id].session)   # its pages may be half-written
+                self._fail(self._handles[request_id], failed.__cause__)
+            return
+        if ran is None:
+            raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+        t1 = time.monotonic()
+        for entry in sched.step_log:
+            self._account(entry, t0, t1)
+            for log in self._collectors:
+                log.append(entry)
+        sched.step_log.clear()
+
+    def _account(self, entry: dict, t0: float, t1: float) -> None:
+        """Hand each row's token to its request; finish the ones the scheduler finished."""
+        self.num_steps += 1
+        self._steps.append((t0, t1, entry["rows"], entry["kind"]))
+        for request_id in entry["preempted"]:
+            handle = self._handles[request_id]
+            handle.num_preemptions += 1
+            handle._enter("preempted", t0)
+        finished = {r.request_id: r for r in self.scheduler.pop_finished()}
+        final_text: dict[int, str] = {}
+        rows = zip(entry["request_ids"], entry["sampled"], entry["start_positions"], strict=True)
+        for request_id, token, start in rows:
+            handle = self._handles[request_id]
+            handle._enter(entry["kind"], t0)
+            if entry["kind"] == "prefill" and not handle.num_generated:
+                handle.reused_tokens = start      # a first prefill starts after the reused prefix
+            handle.num_generated += 1
+            self.tokens_generated += 1
+            if handle.first_token_at is None:
+                handle.first_token_at = t1
+                self._ttft.append(t1 - handle.submitted_at)
+            if request_id in finished:
+                continue
+            text = self._text(request_id, [token], final=False)
+            stop = self._stops.get(request_id)
+            if stop is not None and stop.stopped:      # its text reached a stop string: it ends here
+                result = self.scheduler.cancel(request_id)
+                result.finish_reason = "stop"
+                finished[request_id], final_text[request_id] = result, text
+                continue
+            handle._enter("decode", t1)
+            handle._push(StreamEvent(request_id, [token], text, False, None))
+        self._finish(list(finished.values()), sampled_now=set(finished), at=t1, final_text=final_text)
+
+    def _text(self, request_id: int, tokens: list[int], final: bool) -> str:
+        """New text for new tokens: UTF-8 safe, and never past (or into) a stop string."""
+        detok = self._detok.get(request_id)
+        if detok is None:
+            return ""
+        piece = "".join(detok.push(t) for t in tokens) + (detok.flush() if final else "")
+        stop = self._stops.get(request_id)
+        if stop is None:
+            return piece
+        shown = stop.push(piece)
+        return shown + stop.flush() if final else shown
+
+    def _finish(self, results, sampled_now: set[int] = frozenset(), at: float | None = None,
+                final_text: dict[int, str] | None = None) -> None:
+        """Deliver final events and outputs; requests in `sampled_now` got their last token this step
+        (it goes into the final event); `final_text` holds that event's text where it is known already
+        (a stop string ended the request)."""
+        from engine.llm import RequestOutput
+        at = time.monotonic() if at is None else at
+        for result in results:
+            handle = self._handles.pop(result.request_id)
+            self._seeds.pop(result.request_id, None)
+            new = result.token_ids[-1:] if result.request_id in sampled_now else []
+            if final_text and result.request_id in final_text:
+                text = final_text[result.request_id]
+            else:
+                text = self._text(result.request_id, new, final=True)
+            self._detok.pop(result.request_id, None)
+            stop = self._stops.pop(result.request_id, None)
+            if stop is not None:       # the matcher saw the whole text, cut at a stop string if one came
+                full = stop.text
+            else:
+                full = self._tokenizer.decode(result.token_ids, skip_special_tokens=True) if self._tokenizer else ""
+            handle.finished_at = at
+            handle._enter("finished", at)
+            self._recent.append(handle)
+            handle._push(StreamEvent(result.request_id, new, text, True, result.finish_reason),
+                         output=RequestOutput(result.prompt_ids, result.token_ids, full, result.finish_reason))
+
+    def _fail(self, handle: RequestHandle, error: BaseException) -> None:
+        self._handles.pop(handle.request_id, None)
+        self._detok.pop(handle.request_id, None)
+        self._stops.pop(handle.request_id, None)
+        self._seeds.pop(handle.request_id, None)
+        handle.finished_at = time.monotonic()
+        handle._enter("finished", handle.finished_at)
+        self._recent.append(handle)
+        handle._push(None, error=error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for handle in list(self._handles.values()):
+            self._fail(handle, error)
+
+    def _serve_stats(self) -> None:
+        with self._cv:
+            if self._stats_wanted > self._stats_served:
+                self._stats = self._build_stats()
+                self._stats_served = self._stats_wanted
+                self._cv.notify_all()
+
+    def _build_stats(self) -> dict:
+        """Plain data: counts, the page map, per-request timelines, time to first token, throughput."""
+        snap = self.scheduler.snapshot()
+        owners = [-1] * snap["num_blocks"]          # -1 free, -2 cached for a session, else request id
+        for request_id, table in snap["block_tables"].items():
+            for page in table:
+                owners[page] = request_id
+        for table in snap["parked_tables"].values():
+            for page in table:
+                owners[page] = -2
+        now = time.monotonic()
+        recent = [s for s in self._steps if s[1] >= now - 5.0]
+        span = (recent[-1][1] - recent[0][0]) if recent else 0.0
+        live = sorted(self._handles.values(), key=lambda h: h.request_id)
+        return {
+            "now": now,
+            "running": len(snap["running"]),
+            "waiting": len(snap["waiting"]),
+            "pages_total": snap["num_blocks"],
+            "pages_used": snap["used_blocks"],
+            "pages_cached": sum(len(t) for t in snap["parked_tables"].values()),
+            "page_size": snap["block_size"],
+            "page_tables": {int(k): list(v) for k, v in snap["block_tables"].items()},
+            "page_owners": owners,
+            "steps": self.num_steps,
+            "tokens_generated": self.tokens_generated,
+            "tokens_per_second": sum(s[2] for s in recent) / span if span > 0 else 0.0,
+            "preemptions": snap["total_preemptions"],
+            "time_to_first_token": list(self._ttft),
+            "requests": [h.info() for h in list(self._recent) + live],
+        }
