@@ -4,7 +4,8 @@ Everything else asks this module:
   * which backend runs (`resolve_backend("auto" | "numpy" | "cupy")`) and, in one sentence, why
     CuPy is not used when it isn't;
   * for a compiled kernel (`load_kernel(stage, name)`), compiled once per stage from
-    `kernels_cu/<stage>.cu` with NVRTC, compile errors reported with file and line;
+    `kernels_cu/<stage>.cu` with NVRTC, compile errors reported with file and line (and for CUDA
+    source text, e.g. a learner's kernel, `load_source`, compiled the same way);
   * for bf16 conversions on the host (`f32_to_bf16`, `bf16_to_f32`), bit-exact with PyTorch;
   * for matrix products on the GPU (`matmul`), cuBLAS `gemmEx` with bf16 operands and fp32 compute.
 
@@ -142,11 +143,21 @@ def load_module(stage: str, defines: tuple = ()):
     `defines` are (NAME, value) pairs that specialize a kernel at compile time (e.g. HEAD_DIM),
     so that its per-thread arrays have fixed sizes and live in registers.
     """
-    import cupy
     path = kernel_path(stage)
     if not path.is_file():
         raise FileNotFoundError(f"no kernel source {path}")
-    source = path.read_text()
+    return _compile(path.read_text(), path, defines)
+
+
+@functools.lru_cache(maxsize=64)
+def load_source(source: str, shown_as: str = "kernel.cu", defines: tuple = ()):
+    """Compile CUDA source text (e.g. a learner's kernel) exactly as load_module compiles a file:
+    same options, `#include "common.cuh"` works, errors point at `shown_as`(line). Cached by text."""
+    return _compile(source, Path(shown_as), defines)
+
+
+def _compile(source: str, path: Path, defines: tuple):
+    import cupy
     options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",) + tuple(f"-D{k}={v}" for k, v in defines)
     try:
         module = cupy.RawModule(code=source, options=options)
@@ -181,7 +192,7 @@ def sm_count(device_id: int = 0) -> int:
 
 def _point_at_source(log: str, path: Path) -> str:
     """NVRTC names a temporary file; rewrite 'tmpXYZ.cu(12): error' as 'kernels_cu/x.cu(12): error'."""
-    shown = path.relative_to(path.parent.parent) if path.parent.parent in path.parents else path
+    shown = path.relative_to(KERNELS_DIR.parent) if KERNELS_DIR.parent in path.parents else path
     lines = [re.sub(r"\S*\.cu\((\d+)\)", lambda m: f"{shown}({m.group(1)})", ln) for ln in log.splitlines()]
     errors = [ln for ln in lines if "error" in ln]
     head = errors[0] if errors else (lines[0] if lines else "unknown error")
