@@ -86,7 +86,6 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     out = cp.empty((R, Hq * D), dtype=cp.uint16)
     if R == 0:
         return out
-    block_size = k_cache.shape[1]
     if splits is None:
         splits = choose_splits(R, Hkv, max_context, sm_count(cp.cuda.Device().id))
     kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv)
@@ -96,11 +95,32 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     else:
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
     load_kernel("paged_attention", "paged_attention", **kernel_args)(
-        (R, Hkv, splits), (128,),
-        (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
-         seq_idx, positions, np.int32(block_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)),
-         out, np.int64(Hq * D), part_ml, part_acc))
+        (R, Hkv, splits), (128,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config,
+                                               out, part_ml, part_acc))
     if splits > 1:
         load_kernel("paged_attention", "paged_attention_merge", **kernel_args)(
             (R, Hq), (D,), (part_ml, part_acc, np.int32(splits), out, np.int64(Hq * D)))
+    return out
+
+
+def _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig, out, part_ml, part_acc):
+    """The argument tuple shared by paged_attention and paged_attention_naive (kernels_cu/paged_attention.cu)."""
+    scale_log2e = config.head_dim ** -0.5 * np.log2(np.e)
+    return (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
+            seq_idx, positions, np.int32(k_cache.shape[1]), np.int32(config.num_key_value_heads),
+            np.float32(scale_log2e), out, np.int64(config.q_dim), part_ml, part_acc)
+
+
+def paged_attention_naive(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig):
+    """The ladder's first rung on the GPU (kernel_bench compares it with `paged_attention`): one warp
+    per query head, keys one at a time, no split. Same arguments and result as paged_attention."""
+    import cupy as cp
+    R, Hkv = qkv.shape[0], config.num_key_value_heads
+    out = cp.empty((R, config.q_dim), dtype=cp.uint16)
+    if R:
+        unused = cp.empty(1, dtype=cp.float32)
+        load_kernel("paged_attention", "paged_attention_naive", HEAD_DIM=config.head_dim,
+                    GROUP=config.num_attention_heads // Hkv)(
+            (R, Hkv, 1), (128,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config,
+                                              out, unused, unused))
     return out
