@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
-SOURCES = sorted(KERNELS.glob("*.cu"))
+# the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions
+SOURCES = [p for pattern in ("*.cu", "exercises/*.cu", "exercises/solutions/*.cu") for p in sorted(KERNELS.glob(pattern))]
 VARIANTS = {"paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g} for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)]}
 
 
@@ -66,12 +67,13 @@ CASES = [(s, d, a) for s in SOURCES for d in VARIANTS.get(s.name, [{}]) for a in
 
 
 @pytest.mark.skipif(not ((NVRTC and INCLUDE) or NVCC), reason="neither NVRTC (+ CUDA headers) nor nvcc is available")
-@pytest.mark.parametrize("source,defines,arch", CASES, ids=[f"{s.name}{d or ''}-sm{a}" for s, d, a in CASES])
+@pytest.mark.parametrize("source,defines,arch", CASES, ids=[f"{s.relative_to(KERNELS)}{d or ''}-sm{a}" for s, d, a in CASES])
 def test_kernel_compiles(source, defines, arch):
     if NVRTC and INCLUDE:
         log = nvrtc_compile(source, defines, arch)
     else:
-        cmd = [NVCC, "-std=c++17", f"-arch=sm_{arch}", "-ptx", "-o", os.devnull, str(source)] + [f"-D{k}={v}" for k, v in defines.items()]
+        cmd = [NVCC, "-std=c++17", f"-arch=sm_{arch}", "-ptx", f"-I{KERNELS}", "-o", os.devnull, str(source)]
+        cmd += [f"-D{k}={v}" for k, v in defines.items()]
         r = subprocess.run(cmd, capture_output=True, text=True)
         log = "" if r.returncode == 0 else r.stderr
     assert log == "", log

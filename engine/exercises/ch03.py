@@ -143,3 +143,35 @@ def check_gather_thread_indices(fn: Callable[[int, int, int, int], list]) -> boo
              for H, threads in ((576, 128), (2048, 128), (72, 128), (33, 32), (7, 32), (300, 64))
              for t in (0, 3) for thread in sorted({0, 1, 31, threads - 1})]
     return run_checks("gather_thread_indices", fn, cases, same=lambda got, want: list(got) == want)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU track: the embedding gather as a CUDA kernel (kernels_cu/exercises/embedding.cu)
+# ----------------------------------------------------------------------------------------------
+
+def _embedding_kernel_case(rng, V: int, H: int, T: int, threads: int):
+    from engine.exercises.cuda_check import Case, bf16_values
+    table_bits, table = bf16_values(rng, (V, H))                  # [V, H]
+    ids = rng.integers(0, V, T).astype(np.int32)                 # [T]
+    flat = table.reshape(-1)
+    hints = [("row t of the table was read instead of row ids[t]", table[np.arange(T) % V]),
+             ("the row offset is missing its * H: table[ids[t] + i] instead of table[ids[t] * H + i]",
+              flat[(ids[:, None] + np.arange(H)[None, :]) % flat.size])]
+    return Case(f"V={V} H={H} T={T}, {threads} threads", (T,), threads, {"ids": ids, "table": table_bits},
+                lambda d: (d["ids"], d["table"], d["out"], np.int32(H)), "f32", embedding_ref(ids, table),
+                hints, exact=True, nbytes=T * H * (2 + 4))
+
+
+def _embedding_kernel_cases():
+    rng = np.random.default_rng(30)
+    return [_embedding_kernel_case(rng, V, H, T, threads) for V, H, T, threads in
+            ((1001, 577, 37, 128), (50, 3, 5, 32), (7, 64, 1, 96), (3000, 2048, 129, 128), (100, 1000, 20, 1024))]
+
+
+def check_embedding_kernel(source=None) -> bool | None:
+    """GPU track: your embedding_gather kernel (default: kernels_cu/exercises/embedding.cu; or a path,
+    or the CUDA source text) against the reference, with the likely mistake named and its GB/s."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _embedding_kernel_case(np.random.default_rng(31), 32000, 2048, 2047, 128)  # noqa: E731
+    return check_kernel(Exercise("embedding kernel", "embedding.cu", "embedding_gather", "embedding",
+                                 _embedding_kernel_cases, timing), source)
