@@ -7,11 +7,10 @@ from typing import Callable
 
 import numpy as np
 
-from engine.exercises.ch09 import run_hinted_checks
+from engine.exercises import check_cases
 from engine.paged_kv import PageAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
-
 
 # ----------------------------------------------------------------------------- the lookup
 
@@ -36,7 +35,7 @@ def check_slot_of(fn: Callable[[list, int, int], int]) -> bool:
               lambda t, p, bs: t[p // bs] + p % bs),
              ("the table was indexed by the offset and the page by the quotient, the wrong way round",
               lambda t, p, bs: t[p % bs] * bs + p // bs)]
-    return run_hinted_checks("slot_of", fn, cases, hints)
+    return check_cases("slot_of", fn, cases, hints=hints)
 
 
 # ----------------------------------------------------------------------------- pages per request
@@ -71,7 +70,7 @@ def check_pages_needed(fn: Callable[[int, int, int, int], int]) -> bool:
               lambda p, n, ps, ctx: -(-(p + n - 1) // ps)),
              ("that rounds down; a partly filled page is still a whole page",
               lambda p, n, ps, ctx: (min(p + n, ctx) - 1) // ps)]
-    return run_hinted_checks("pages_needed", fn, cases, hints)
+    return check_cases("pages_needed", fn, cases, hints=hints)
 
 
 # ----------------------------------------------------------------------------- online softmax
@@ -141,11 +140,11 @@ def check_online_update(fn: Callable) -> bool:
               lambda m, l, acc, s, v: (max(m, s), l + math.exp(s - max(m, s)), online_update_ref(m, l, acc, s, v)[2])),
              ("exp(s) was used without subtracting the running max",
               lambda m, l, acc, s, v: (max(m, s), l + math.exp(s), acc + math.exp(s) * v))]
-    if not run_hinted_checks("online_update (one key)", fn, cases, hints, same=_state_close):
+    if not check_cases("online_update (one key)", fn, cases, hints=hints, same=_state_close):
         return False
     def your_update_over_every_key(scores, values):
         return _streamed(fn, scores, values)
-    return run_hinted_checks("online_update (streaming every key)", your_update_over_every_key,
+    return check_cases("online_update (streaming every key)", your_update_over_every_key,
                              stream_cases, same=_state_close)
 
 
@@ -173,7 +172,7 @@ def check_merge(fn: Callable) -> bool:
               lambda a, b: (max(a[0], b[0]), a[1] + b[1], a[2] + b[2])),
              ("the outputs acc/l were averaged; weight each state by its share of the total l",
               lambda a, b: (max(a[0], b[0]), 1.0, (a[2] / a[1] + b[2] / b[1]) / 2))]
-    return run_hinted_checks("merge", fn, cases, hints, same=_state_close)
+    return check_cases("merge", fn, cases, hints=hints, same=_state_close)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 from engine.backend import is_device_array, load_kernel, sm_count
 from engine.config import LlamaConfig
 from engine.ops.attention import softmax, split_qkv
+from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
 
 def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
@@ -26,14 +27,21 @@ def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.
 
 def kv_write(qkv, slot_mapping, k_cache, v_cache, config: LlamaConfig) -> None:
     """Store the k and v heads of a QKV buffer [T, (Hq + 2Hkv) * D] (after RoPE) in the cache."""
+    plug = OVERRIDES.get("kv_write")             # your stage (engine/plugins.py), if one is active
     if not is_device_array(qkv):
         _, k, v = split_qkv(qkv, config)
-        kv_write_ref(k, v, k_cache, v_cache, np.asarray(slot_mapping))
+        write = kv_write_ref
+        if plug is not None:
+            plug.require_function()
+            write = plug.fn
+        write(k, v, k_cache, v_cache, np.asarray(slot_mapping))
         return
+    if plug is not None and plug.fn is not None:
+        cache_function_on_gpu("kv_write")
     T = qkv.shape[0]
     if T:
-        load_kernel("kv_write", "kv_write")((T,), (128,), (qkv, slot_mapping, k_cache, v_cache,
-                                                          np.int32(config.q_dim), np.int32(config.kv_dim)))
+        kernel = plug.kernel() if plug is not None else load_kernel("kv_write", "kv_write")
+        kernel((T,), (128,), (qkv, slot_mapping, k_cache, v_cache, np.int32(config.q_dim), np.int32(config.kv_dim)))
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale: float) -> np.ndarray:
@@ -79,9 +87,18 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     scale = config.head_dim ** -0.5
     Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     R = qkv.shape[0]
+    plug = OVERRIDES.get("paged_attention")      # your stage (engine/plugins.py), if one is active
     if not is_device_array(qkv):
         q, _, _ = split_qkv(qkv, config)
+        if plug is not None:
+            plug.require_function()
+            got = plug.fn(q.copy(), k_cache, v_cache, block_tables, seq_idx, positions, scale)
+            return checked_result("paged_attention", got, q.shape).reshape(R, -1)
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale).reshape(R, -1)
+    if plug is not None:
+        if plug.fn is not None:
+            cache_function_on_gpu("paged_attention")
+        splits = 1                                   # your kernel runs alone: no merge of split slices
     import cupy as cp
     out = cp.empty((R, Hq * D), dtype=cp.uint16)
     if R == 0:
@@ -94,9 +111,10 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
         part_acc = cp.empty((R, Hq, splits, D), dtype=cp.float32)
     else:
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
-    load_kernel("paged_attention", "paged_attention", **kernel_args)(
-        (R, Hkv, splits), (128,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config,
-                                               out, part_ml, part_acc))
+    kernel = plug.kernel(**kernel_args) if plug is not None else load_kernel("paged_attention", "paged_attention",
+                                                                               **kernel_args)
+    kernel((R, Hkv, splits), (128,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config,
+                                                  out, part_ml, part_acc))
     if splits > 1:
         load_kernel("paged_attention", "paged_attention_merge", **kernel_args)(
             (R, Hq), (D,), (part_ml, part_acc, np.int32(splits), out, np.int64(Hq * D)))
