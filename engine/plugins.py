@@ -48,13 +48,13 @@ STAGES: dict[str, Stage] = {
         ("embedding", "embedding_gather")),
     "rmsnorm": Stage(
         "fn(x [T, H] float32, w [H] float32, eps float) -> [T, H] float32",
-        "rmsnorm<<<T, threads>>>(const float* x, const bf16* w, bf16* out, int H, float eps), "
+        "rmsnorm<<<T, threads>>>(const float* x, const float* w, bf16* out, int H, float eps), "
         "threads = min(1024, max(32, 32 * ceil(H / 4 / 32)))",
         ("rmsnorm", "rmsnorm")),
     "add_rmsnorm": Stage(
         "fn(residual [T, H], delta [T, H], w [H], eps) -> [T, H]; residual += delta IN PLACE first. "
         "Without an add_rmsnorm override but with an rmsnorm one, the engine adds and calls your rmsnorm",
-        "add_rmsnorm<<<T, threads>>>(float* residual, const float* delta, const bf16* w, bf16* out, int H, "
+        "add_rmsnorm<<<T, threads>>>(float* residual, const float* delta, const float* w, bf16* out, int H, "
         "float eps), threads as for rmsnorm",
         ("rmsnorm", "add_rmsnorm")),
     "rope": Stage(

@@ -14,7 +14,8 @@ RECORDED = Path(__file__).resolve().parent / "recorded" / "gpu_run.json"
 HOW = "python -m engine.exercises.record_gpu (on a CUDA GPU) records one"
 
 
-def load(path: Path = RECORDED) -> dict | None:
+def load(path: Path | None = None) -> dict | None:
+    path = path or RECORDED
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -22,11 +23,11 @@ def _banner(run: dict) -> str:
     return f"{run['device']}, {run['date']}"
 
 
-def show_recorded(exercise: str, path: Path = RECORDED) -> None:
+def show_recorded(exercise: str, path: Path | None = None) -> None:
     """Print what the worked solution's checker printed in the recorded GPU run."""
     run = load(path)
     if run is None or exercise not in run.get("checks", {}):
-        print(f"    (no recorded GPU run of this exercise in {path.name} yet: {HOW})")
+        print(f"    (no recorded GPU run of this exercise in {(path or RECORDED).name} yet: {HOW})")
         return
     print(f"    Recorded run of the worked solution kernels_cu/exercises/solutions/{exercise}.cu "
           f"on {_banner(run)}:")
@@ -34,17 +35,17 @@ def show_recorded(exercise: str, path: Path = RECORDED) -> None:
         print(f"    | {line}")
 
 
-def ladder_rows(stage: str, path: Path = RECORDED) -> list[dict]:
+def ladder_rows(stage: str, path: Path | None = None) -> list[dict]:
     run = load(path)
     return [r for r in (run or {}).get("ladder", []) if r.get("ladder") == stage]
 
 
-def show_ladder(stage: str, path: Path = RECORDED) -> None:
+def show_ladder(stage: str, path: Path | None = None) -> None:
     """Print the recorded kernel ladder of one stage: each version's time, GB/s and share of copy bandwidth."""
     run = load(path)
     rows = ladder_rows(stage, path)
     if not rows:
-        print(f"(no recorded kernel ladder for {stage!r} in {path.name} yet: {HOW})")
+        print(f"(no recorded kernel ladder for {stage!r} in {(path or RECORDED).name} yet: {HOW})")
         return
     print(f"Kernel ladder for {stage}, recorded on {_banner(run)} "
           f"(measured copy bandwidth {run['copy_gbps']:,.0f} GB/s); python -m engine.kernel_bench --only ladder")
