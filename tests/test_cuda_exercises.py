@@ -62,7 +62,8 @@ def test_nothing_written_and_scattered_holes():
     assert "no output element was written" in verdict(WANT, written=np.zeros(WANT.shape, bool))
     written = np.ones(WANT.shape, bool)
     written[3, 17] = written[1, 400] = False
-    assert "2 of 2885 output elements still hold the poison (first at row 1, column 400)" in verdict(WANT, written=written)
+    expected = "2 of 2885 output elements still hold the poison (first at row 1, column 400)"
+    assert expected in verdict(WANT, written=written)
 
 
 def test_a_named_region_left_unwritten():
@@ -210,7 +211,8 @@ def test_gpu_skeleton_is_not_yet_written(name, capsys):
 
 
 BROKEN = [
-    ("rmsnorm", "    __syncthreads();                                              // every slot", "    //", "__syncthreads()"),
+    ("rmsnorm", "    __syncthreads();                                              // every slot", "    //",
+     "__syncthreads()"),
     ("rmsnorm", "x + (long long)blockIdx.x * H;", "x + (long long)blockIdx.x;", "wrong stride"),
     ("rmsnorm", "rsqrtf(total / H + eps)", "1.0f / (sqrtf(total / H) + eps)", "eps is added outside the square root"),
     ("embedding", "i += blockDim.x)", "i += H)", "only the first 128 of 577 columns"),
