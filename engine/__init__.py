@@ -22,6 +22,8 @@ _LAZY = {
     "DefaultModelError": ("engine.default_model", "DefaultModelError"),
     "GGUFConversionError": ("engine.gguf_convert", "GGUFConversionError"),
     "BackendError": ("engine.backend", "BackendError"),
+    "use_stage": ("engine.plugins", "use_stage"),
+    "use_stages": ("engine.plugins", "use_stages"),
 }
 
 __all__ = sorted(_LAZY) + ["safetensors"]

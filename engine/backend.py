@@ -4,7 +4,8 @@ Everything else asks this module:
   * which backend runs (`resolve_backend("auto" | "numpy" | "cupy")`) and, in one sentence, why
     CuPy is not used when it isn't;
   * for a compiled kernel (`load_kernel(stage, name)`), compiled once per stage from
-    `kernels_cu/<stage>.cu` with NVRTC, compile errors reported with file and line;
+    `kernels_cu/<stage>.cu` with NVRTC, compile errors reported with file and line (and for CUDA
+    source text, e.g. a learner's kernel, `load_source`, compiled the same way);
   * for bf16 conversions on the host (`f32_to_bf16`, `bf16_to_f32`), bit-exact with PyTorch;
   * for matrix products on the GPU (`matmul`), cuBLAS `gemmEx` with bf16 operands and fp32 compute.
 
@@ -164,17 +165,29 @@ def load_module(stage: str, defines: tuple = ()):
     `defines` are (NAME, value) pairs that specialize a kernel at compile time (e.g. HEAD_DIM),
     so that its per-thread arrays have fixed sizes and live in registers.
     """
-    import cupy
     path = kernel_path(stage)
     if not path.is_file():
         raise FileNotFoundError(f"no kernel source {path}")
-    source = path.read_text()
+    return compile_source(path.read_text(), path, defines)
+
+
+@functools.lru_cache(maxsize=64)
+def load_source(source: str, origin: str = "kernel.cu", defines: tuple = ()):
+    """compile_source, cached by the text: a checker compiles the same learner kernel once per case."""
+    return compile_source(source, origin, defines)
+
+
+def compile_source(source: str, origin, defines: tuple = ()):
+    """Compile CUDA C text with the engine's NVRTC options (kernels_cu/ on the include path) into a
+    cupy.RawModule. `origin` (a path, or a label such as "<your rmsnorm kernel>") names the source in
+    compile errors. Used for kernels_cu/ and for a learner's kernel (engine/plugins.py, engine/exercises/)."""
+    import cupy
     options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",) + tuple(f"-D{k}={v}" for k, v in defines)
     try:
         module = cupy.RawModule(code=source, options=options)
         module.compile()  # compile now, not at first launch, so the error surfaces here
     except cupy.cuda.compiler.CompileException as exc:
-        raise KernelCompileError(_point_at_source(str(exc), path)) from None
+        raise KernelCompileError(_point_at_source(str(exc), origin)) from None
     return module
 
 
@@ -201,13 +214,14 @@ def sm_count(device_id: int = 0) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
-def _point_at_source(log: str, path: Path) -> str:
+def _point_at_source(log: str, origin) -> str:
     """NVRTC names a temporary file; rewrite 'tmpXYZ.cu(12): error' as 'kernels_cu/x.cu(12): error'."""
-    shown = path.relative_to(path.parent.parent) if path.parent.parent in path.parents else path
-    lines = [re.sub(r"\S*\.cu\((\d+)\)", lambda m: f"{shown}({m.group(1)})", ln) for ln in log.splitlines()]
+    if isinstance(origin, Path):   # kernels_cu/x.cu, kernels_cu/exercises/x.cu: relative to the repository
+        origin = origin.relative_to(KERNELS_DIR.parent) if KERNELS_DIR.parent in origin.parents else origin
+    lines = [re.sub(r"\S*\.cu\((\d+)\)", lambda m: f"{origin}({m.group(1)})", ln) for ln in log.splitlines()]
     errors = [ln for ln in lines if "error" in ln]
     head = errors[0] if errors else (lines[0] if lines else "unknown error")
-    return f"{shown} failed to compile: {head}\n" + "\n".join(lines)
+    return f"{origin} failed to compile: {head}\n" + "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ submits all of them with one call. What makes that possible:
   * Model.run does no host<->device traffic, and the attention kernel's context split is fixed
     (sized for max_context; slices past a sequence's length are simply empty);
   * every intermediate array comes from a private memory pool that nothing else allocates from,
-    so the addresses baked into the graph stay valid for as long as the graph lives.
+    so the addresses baked into the graph stay valid for as long as the graph lives;
+  * no learner's stage is plugged in (engine/plugins.py): while one is, steps run eagerly.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from engine.kv_cache import KVCache
 from engine.model import Model
+from engine.plugins import any_active
 
 
 class DecodeGraph:
@@ -24,6 +26,9 @@ class DecodeGraph:
 
     Built on the first real decode step: the warm-up run that sizes the memory pool IS that step
     (it writes the right K/V at the right position), then the capture records it without running.
+    While a learner's stage is plugged in (engine/plugins.py) nothing is captured or replayed: the
+    step runs eagerly, so their code runs for real on every token (a graph would replay the engine's
+    kernels, or bake in theirs). The graph is captured at the first step without an override.
     """
 
     def __init__(self, model: Model, cache: KVCache, token: int, position: int):
@@ -35,7 +40,13 @@ class DecodeGraph:
         self.seq_idx = cp.zeros(1, dtype=cp.int32)
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self.graph = self.logits = None
         self._set_inputs(token, position)
+        if not any_active():
+            self._capture()
+
+    def _capture(self) -> None:
+        cp = self.cp
         with cp.cuda.using_allocator(self.pool.malloc), self.stream:
             self._step()                                       # warm-up: compiles, sizes the pool
             self.stream.synchronize()
@@ -55,6 +66,13 @@ class DecodeGraph:
     def __call__(self, token: int, position: int):
         """Logits [1, V] of `token` fed at `position` (its K/V written into the cache)."""
         self._set_inputs(token, position)
+        if any_active():                                       # a learner's stage: eager, unfused
+            with self.stream:
+                logits = self._step()
+            self.stream.synchronize()
+            return logits
+        if self.graph is None:
+            self._capture()                                    # its warm-up runs this very step
         self.graph.launch(self.stream)
         self.stream.synchronize()
         return self.logits

@@ -5,6 +5,8 @@ ratios 1, 3, 4, 8), outputs poisoned before each run (NaN bits: an unwritten ele
 check), relative error ||out - ref|| / ||ref|| against a float32/float64 reference computed from the
 same bf16-rounded inputs, then CUDA-event timing after warm-up (median of many runs) and the
 achieved bandwidth next to the device's measured copy bandwidth. Prints a table, writes JSON lines.
+The `ladder` case times each version of a stage that keeps its first, naive kernel beside the fast
+one (RMSNorm, the prefill softmax, paged attention), checked the same way: the chapters show it.
 
     python -m engine.kernel_bench [--json out.jsonl] [--quick]
 """
@@ -91,8 +93,10 @@ class Bench:
             times.append(cp.cuda.get_elapsed_time(start, end) / reps)
         return float(np.median(times))
 
-    def record(self, kernel, shape, err, tol, ms=None, nbytes=None, flops=None, note=""):
+    def record(self, kernel, shape, err, tol, ms=None, nbytes=None, flops=None, note="", ladder=None):
         row = {"kernel": kernel, "shape": shape, "rel_err": err, "tol": tol, "ok": bool(err <= tol)}
+        if ladder is not None:
+            row["ladder"] = ladder    # the stage whose versions are compared, slowest first
         if ms is not None:
             row["ms"] = round(ms, 4)
         if nbytes is not None and ms:
@@ -327,22 +331,8 @@ class Bench:
                  (16, 2, 128, [64, 257], 16, 3), (8, 1, 32, [31, 16, 2], 7, None), (12, 3, 64, [500], 16, 5),
                  (32, 8, 64, [2048] * 64, 16, None), (32, 8, 64, [2048] * 4, 16, None)]
         for Hq, Hkv, D, ctxs, BS, splits in cases:
-            cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D,
-                                    "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
-                                    "num_key_value_heads": Hkv, "head_dim": D})
+            cfg, qkv, qkv_h, kc, kc_h, vc, vc_h, tables_h, seq_h, pos_h = self._paged_inputs(Hq, Hkv, D, ctxs, BS)
             S = len(ctxs)
-            mb = max((c + BS - 1) // BS for c in ctxs)
-            NB = S * mb + 3
-            perm = self.rng.permutation(NB).astype(np.int32)           # shuffled, non-contiguous pages
-            tables_h = np.full((S, mb), -1, dtype=np.int32)
-            for s, c in enumerate(ctxs):
-                n = (c + BS - 1) // BS
-                tables_h[s, :n] = perm[s * mb:s * mb + n]
-            kc, kc_h = self.bf16(NB, BS, Hkv, D)
-            vc, vc_h = self.bf16(NB, BS, Hkv, D)
-            qkv, qkv_h = self.bf16(S, cfg.qkv_dim)                     # one decode row per sequence
-            pos_h = np.array(ctxs, dtype=np.int32) - 1
-            seq_h = np.arange(S, dtype=np.int32)
             args = (cp.asarray(tables_h), cp.asarray(seq_h), cp.asarray(pos_h))
             big = S * max(ctxs) >= 8192
             ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h, D ** -0.5).reshape(S, -1)
@@ -397,6 +387,93 @@ class Bench:
             self.record("sample_rows", f"R={R} V={V} mixed knobs", float(np.mean(got != ref)), 0.02, ms, R * V * 4,
                         note="mismatch rate vs reference (fp32 reduction order may move a boundary)")
 
+    # -- the ladder: each stage's first (naive) version beside the fast one ----------------------
+    def ladder(self):
+        self._ladder_rmsnorm()
+        self._ladder_softmax()
+        self._ladder_paged()
+
+    def _ladder_rmsnorm(self):
+        from engine.ops.rmsnorm import rmsnorm, rmsnorm_naive, rmsnorm_ref
+        for T, H in [(5, 577), (2047, 2048)]:
+            x, x_h = self.f32(T, H, scale=3)
+            w, w_h = self.f32(H)
+            ref = rmsnorm_ref(x_h, w_h, 1e-5)
+            for name, fn in [("rmsnorm_naive (1 thread per row)", rmsnorm_naive),
+                             ("rmsnorm (1 block per row, block reduction)", rmsnorm)]:
+                with self.poisoned():
+                    out = fn(x, w, 1e-5)
+                ms = self.time_ms(lambda fn=fn: fn(x, w, 1e-5))
+                self.record(name, f"T={T} H={H}", rel_err(bf16_to_f32(out.get()), ref), BF16_TOL / 2, ms,
+                            T * H * (4 + 2), ladder="rmsnorm")
+
+    def _ladder_softmax(self):
+        from engine.backend import load_kernel
+        from engine.ops.attention import softmax
+        cp = self.cp
+        for H, T in [(3, 77), (32, 1024)]:
+            scores, scores_h = self.f32(H, T, T, scale=4)
+            scale = np.float32(64 ** -0.5)
+            masked = np.where(np.tril(np.ones((T, T), dtype=bool)), scores_h * scale, -np.inf)
+            ref = softmax(masked)                                                    # [H, T, T]
+            threads = min(1024, max(32, 32 * ((T + 127) // 128)))
+            versions = [("causal_softmax_naive (1 thread per row)",
+                         lambda p: load_kernel("attention", "causal_softmax_naive")(
+                             ((H * T + 127) // 128,), (128,), (scores, p, np.int32(H * T), np.int32(T), scale))),
+                        ("causal_softmax (1 block per row, block reductions)",
+                         lambda p: load_kernel("attention", "causal_softmax")(
+                             (H * T,), (threads,), (scores, p, np.int32(T), scale)))]
+            for name, launch in versions:
+                with self.poisoned():
+                    probs = cp.empty((H, T, T), dtype=cp.uint16)
+                launch(probs)
+                ms = self.time_ms(lambda launch=launch: launch(probs))
+                self.record(name, f"H={H} T={T}", rel_err(bf16_to_f32(probs.get()), ref), BF16_TOL / 2, ms,
+                            H * T * T * (4 + 2), ladder="prefill softmax")
+
+    def _ladder_paged(self):
+        from engine.ops.attention import split_qkv
+        from engine.ops.paged_attention import paged_attention, paged_attention_naive, paged_attention_ref
+        for Hq, Hkv, D, ctxs, BS in [(12, 3, 64, [1, 17, 200, 33], 7), (32, 8, 64, [2048] * 64, 16)]:
+            cfg, qkv, qkv_h, kc, kc_h, vc, vc_h, tables_h, seq_h, pos_h = self._paged_inputs(Hq, Hkv, D, ctxs, BS)
+            args = tuple(self.cp.asarray(a) for a in (tables_h, seq_h, pos_h))
+            small = len(ctxs) * max(ctxs) < 8192
+            ref = paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h,
+                                      D ** -0.5).reshape(len(ctxs), -1) if small else None
+            versions = [("paged_attention_naive (1 warp per query head)",
+                         lambda: paged_attention_naive(qkv, kc, vc, *args, cfg)),
+                        ("paged_attention (cp.async pipeline, GQA-shared K/V)",
+                         lambda: paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=1))]
+            for name, fn in versions:
+                with self.poisoned():
+                    out = fn()
+                err = rel_err(bf16_to_f32(out.get()), ref) if small else \
+                    self._paged_spot_check(out, qkv_h, kc_h, vc_h, tables_h, seq_h, pos_h, cfg)
+                ms = self.time_ms(fn, reps=10)
+                self.record(name, f"Hq={Hq} Hkv={Hkv} D={D} BS={BS} ctx={_short(ctxs)} splits=1", err, BF16_TOL, ms,
+                            sum(ctxs) * Hkv * D * 2 * 2, ladder="paged attention")
+
+    def _paged_inputs(self, Hq, Hkv, D, ctxs, BS):
+        """A config, one decode row per sequence, and K/V caches whose pages are shuffled."""
+        from engine.config import config_from_dict
+        cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D,
+                                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
+                                "num_key_value_heads": Hkv, "head_dim": D})
+        S = len(ctxs)
+        mb = max((c + BS - 1) // BS for c in ctxs)
+        NB = S * mb + 3
+        perm = self.rng.permutation(NB).astype(np.int32)           # shuffled, non-contiguous pages
+        tables_h = np.full((S, mb), -1, dtype=np.int32)
+        for s, c in enumerate(ctxs):
+            n = (c + BS - 1) // BS
+            tables_h[s, :n] = perm[s * mb:s * mb + n]
+        kc, kc_h = self.bf16(NB, BS, Hkv, D)
+        vc, vc_h = self.bf16(NB, BS, Hkv, D)
+        qkv, qkv_h = self.bf16(S, cfg.qkv_dim)
+        pos_h = np.array(ctxs, dtype=np.int32) - 1
+        seq_h = np.arange(S, dtype=np.int32)
+        return cfg, qkv, qkv_h, kc, kc_h, vc, vc_h, tables_h, seq_h, pos_h
+
     def run(self, which):
         for name in which:
             getattr(self, name)()
@@ -413,7 +490,8 @@ def _short(ctxs):
     return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 and len(ctxs) > 4 else str(ctxs)
 
 
-ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "flash", "paged", "sampling"]
+ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "flash", "paged", "sampling",
+       "ladder"]
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel
 from engine.ops.argmax import argmax_rows
+from engine.plugins import OVERRIDES, to_host
 
 SAMPLE_THREADS = 1024   # threads per row of kernels_cu/sampling.cu (passed to it as -DTHREADS)
 
@@ -129,16 +130,24 @@ def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.nd
     the sampling kernel otherwise).
     """
     R = len(params)
-    if not is_device_array(logits):
-        return np.array([sample_ref(logits[r], p.temperature, p.top_k, p.top_p, u)
+    plug = OVERRIDES.get("sampling")             # your stage (engine/plugins.py), if one is active
+    if (plug is not None and plug.fn is not None) or not is_device_array(logits):
+        draw = sample_ref
+        if plug is not None:
+            plug.require_function()
+            draw = plug.fn
+        rows = to_host(logits)
+        return np.array([int(draw(rows[r], p.temperature, p.top_k, p.top_p, u))
                          for r, (p, u) in enumerate(zip(params, uniforms, strict=True))], dtype=np.int32)
     import cupy as cp
-    if all(p.greedy for p in params):
+    if plug is None and all(p.greedy for p in params):
         return cp.asnumpy(argmax_rows(logits))
     V = logits.shape[1]
     knobs = [cp.asarray(np.array(v, dtype=dt)) for v, dt in (
         ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
         ([p.top_p for p in params], np.float32), (uniforms, np.float32))]
     out = cp.empty(R, dtype=cp.int32)
-    load_kernel("sampling", "sample_rows", THREADS=SAMPLE_THREADS)((R,), (SAMPLE_THREADS,), (logits, *knobs, out, np.int32(V)))
+    defines = {"THREADS": SAMPLE_THREADS}
+    kernel = plug.kernel(**defines) if plug is not None else load_kernel("sampling", "sample_rows", **defines)
+    kernel((R,), (SAMPLE_THREADS,), (logits, *knobs, out, np.int32(V)))
     return cp.asnumpy(out)

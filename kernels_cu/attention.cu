@@ -5,7 +5,27 @@
 // Thread layout: one block per (head, query row); threads stride over the keys of that row
 // (coalesced), two block reductions (max, then sum), then the write pass. Row t of head h is
 // blockIdx.x = h * T + t.
+// causal_softmax_naive is the first rung of the ladder (kernel_bench times both): one THREAD per
+// (head, query row) makes three serial passes over its row (max, sum, write). Neighbouring threads
+// read rows T floats apart (no coalescing), and row t costs t steps, so the last rows set the time.
 #include "common.cuh"
+
+// Naive rung: thread i owns row i = h * T + t. Launch with ceil(H * T / threads) blocks.
+extern "C" __global__ void causal_softmax_naive(const float* __restrict__ scores,  // [H, T, T]
+                                                 bf16* __restrict__ probs,          // [H, T, T]
+                                                 int n_rows, int T, float scale) {  // n_rows = H * T
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= n_rows) return;
+    const int t = row % T;
+    const float* s = scores + (long long)row * T;
+    bf16* p = probs + (long long)row * T;
+    float m = -INFINITY;
+    for (int j = 0; j <= t; ++j) m = fmaxf(m, s[j] * scale);
+    float sum = 0.0f;
+    for (int j = 0; j <= t; ++j) sum += __expf(s[j] * scale - m);
+    const float inv = 1.0f / sum;
+    for (int j = 0; j < T; ++j) p[j] = f2bf(j <= t ? __expf(s[j] * scale - m) * inv : 0.0f);
+}
 
 extern "C" __global__ void causal_softmax(const float* __restrict__ scores,  // [H, T, T]
                                            bf16* __restrict__ probs,          // [H, T, T]

@@ -19,7 +19,8 @@ from engine import sampling
 from engine.ops import argmax, flash_attention, paged_attention
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
-SOURCES = sorted(KERNELS.glob("*.cu"))
+# the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions
+SOURCES = [p for pattern in ("*.cu", "exercises/*.cu", "exercises/solutions/*.cu") for p in sorted(KERNELS.glob(pattern))]
 # Launch constants come from the Python launchers (one source), passed as -D defines like at run time.
 VARIANTS = {
     "paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g, "NWARPS": paged_attention.NWARPS}
@@ -79,12 +80,13 @@ CASES = [(s, d, a) for s in SOURCES for d in VARIANTS.get(s.name, [{}]) for a in
 
 
 @pytest.mark.skipif(not ((NVRTC and INCLUDE) or NVCC), reason="neither NVRTC (+ CUDA headers) nor nvcc is available")
-@pytest.mark.parametrize("source,defines,arch", CASES, ids=[f"{s.name}{d or ''}-sm{a}" for s, d, a in CASES])
+@pytest.mark.parametrize("source,defines,arch", CASES, ids=[f"{s.relative_to(KERNELS)}{d or ''}-sm{a}" for s, d, a in CASES])
 def test_kernel_compiles(source, defines, arch):
     if NVRTC and INCLUDE:
         log = nvrtc_compile(source, defines, arch)
     else:
-        cmd = [NVCC, "-std=c++17", f"-arch=sm_{arch}", "-ptx", "-o", os.devnull, str(source)] + [f"-D{k}={v}" for k, v in defines.items()]
+        cmd = [NVCC, "-std=c++17", f"-arch=sm_{arch}", "-ptx", f"-I{KERNELS}", "-o", os.devnull, str(source)]
+        cmd += [f"-D{k}={v}" for k, v in defines.items()]
         r = subprocess.run(cmd, capture_output=True, text=True)
         log = "" if r.returncode == 0 else r.stderr
     assert log == "", log

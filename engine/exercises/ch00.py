@@ -1,35 +1,14 @@
-"""Chapter 00 exercises: launch arithmetic and bf16 rounding by hand.
-
-`run_checks` is the shared checker loop that every chapter's checkers use.
-"""
+"""Chapter 00 exercises: launch arithmetic and bf16 rounding by hand."""
 from __future__ import annotations
 
 import math
 import struct
-from typing import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
 
 from engine.backend import f32_to_bf16
-from engine.exercises import call_learner
-
-
-def run_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
-               same: Callable[[object, object], bool] = lambda got, want: got == want) -> bool:
-    """Call fn(*args) for each (args, expected); print one verdict line; True when all pass."""
-    count = 0
-    for args, expected in cases:
-        call = f"{getattr(fn, '__name__', 'fn')}{args if len(args) != 1 else f'({args[0]!r})'}"
-        ok, got = call_learner(title, call, fn, *args)
-        if not ok:
-            return False
-        if not same(got, expected):
-            print(f"[x] {title}: {call} returned {got!r}, expected {expected!r}")
-            return False
-        count += 1
-    print(f"[OK] {title}: all {count} cases pass")
-    return True
-
+from engine.exercises import check_cases
 
 # ----------------------------------------------------------------------------- launch arithmetic
 
@@ -37,7 +16,7 @@ def check_blocks_for(fn: Callable[[int, int], int]) -> bool:
     """fn(n, threads_per_block) -> fewest blocks so that every element gets a thread."""
     cases = [((n, tpb), -(-n // tpb)) for n in (1, 255, 256, 257, 1000, 576, 49152, 10**9 + 7)
              for tpb in (32, 128, 256, 1024)]
-    return run_checks("blocks_for", fn, cases)
+    return check_cases("blocks_for", fn, cases)
 
 
 def check_grid_stride_indices(fn: Callable[[int, int, int], list[int]]) -> bool:
@@ -45,7 +24,7 @@ def check_grid_stride_indices(fn: Callable[[int, int, int], list[int]]) -> bool:
     cases = [((t, n, total), list(range(t, n, total)))
              for n, total in ((10, 8), (8, 8), (3, 8), (1000, 256), (0, 4), (257, 256))
              for t in sorted({0, 1, total // 2, total - 1})]
-    return run_checks("grid_stride_indices", fn, cases, same=lambda got, want: list(got) == want)
+    return check_cases("grid_stride_indices", fn, cases, same=lambda got, want: list(got) == want)
 
 
 # ----------------------------------------------------------------------------- bf16
@@ -70,7 +49,7 @@ def check_f32_to_bf16_bits(fn: Callable[[float], int]) -> bool:
     values = _tricky_floats()
     expected = f32_to_bf16(values)
     cases = [((float(x),), int(e)) for x, e in zip(values, expected)]
-    return run_checks("f32_to_bf16_bits", fn, cases)
+    return check_cases("f32_to_bf16_bits", fn, cases)
 
 
 def check_bf16_spacing(fn: Callable[[float], float]) -> bool:
@@ -78,4 +57,4 @@ def check_bf16_spacing(fn: Callable[[float], float]) -> bool:
     xs = [1.0, 1.5, 2.0, 3.0, 255.0, 256.0, 1000.0, 0.1015625, 2.0**-100, 3.0e38]
     # bf16 keeps 8 significant bits (7 stored + the implicit 1): the gap is 2**(exponent - 7).
     cases = [((x,), math.ldexp(1.0, math.frexp(x)[1] - 1 - 7)) for x in xs]
-    return run_checks("bf16_spacing", fn, cases)
+    return check_cases("bf16_spacing", fn, cases)

@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from engine.backend import bf16_to_f32
-from engine.exercises.ch00 import run_checks
+from engine.exercises import check_cases
 
 
 def check_read_header_length(fn: Callable[[bytes], int]) -> bool:
@@ -16,14 +16,14 @@ def check_read_header_length(fn: Callable[[bytes], int]) -> bool:
     raw = [bytes([0x58, 0, 0, 0, 0, 0, 0, 0]), bytes([0, 1, 0, 0, 0, 0, 0, 0]),
            b"\xff" * 8, bytes(8)] + [rng.bytes(8) for _ in range(200)]
     cases = [((b,), sum(byte << (8 * i) for i, byte in enumerate(b))) for b in raw]
-    return run_checks("read_header_length", fn, cases)
+    return check_cases("read_header_length", fn, cases)
 
 
 def check_tensor_file_range(fn: Callable[[int, list[int]], tuple[int, int]]) -> bool:
     """fn(header_length, data_offsets) -> (start, stop): the tensor's bytes in the whole file."""
     cases = [((n, [b, e]), (8 + n + b, 8 + n + e))
              for n in (0, 88, 4096, 123456) for b, e in ((0, 0), (0, 24), (24, 1176), (10**9, 10**9 + 2))]
-    return run_checks("tensor_file_range", fn, [(args, tuple(want)) for args, want in cases],
+    return check_cases("tensor_file_range", fn, [(args, tuple(want)) for args, want in cases],
                       same=lambda got, want: tuple(got) == want)
 
 
@@ -38,7 +38,7 @@ def check_bf16_bits_to_float(fn: Callable[[int], float]) -> bool:
     """fn(bits) -> the value of a 16-bit bf16 pattern, for all 65536 patterns."""
     bits = np.arange(2**16, dtype=np.uint16)
     cases = [((int(b),), float(v)) for b, v in zip(bits, bf16_to_f32(bits))]
-    return run_checks("bf16_bits_to_float", fn, cases, same=_same_float)
+    return check_cases("bf16_bits_to_float", fn, cases, same=_same_float)
 
 
 def _first_overlap(ranges: dict[str, tuple[int, int]]):
@@ -77,5 +77,5 @@ def check_find_overlap(fn: Callable[[dict], tuple[str, str] | None]) -> bool:
             ranges[f"t{i}"] = (max(0, begin - shift), max(0, end - shift))
         generated.append(ranges)
     cases = [((dict(r),), _first_overlap(r)) for r in hand_made + generated]
-    return run_checks("find_overlap", fn, cases, same=lambda got, want: (
+    return check_cases("find_overlap", fn, cases, same=lambda got, want: (
         got is None if want is None else got is not None and set(got) == set(want)))

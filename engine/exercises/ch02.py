@@ -6,7 +6,7 @@ import random
 from functools import lru_cache
 from typing import Callable
 
-from engine.exercises.ch00 import run_checks
+from engine.exercises import check_cases
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -42,7 +42,7 @@ def check_merge_loop(fn: Callable[[list[str], dict[tuple[str, str], int]], list[
         return fn(symbols, ranks)
 
     with_ranks.__name__ = getattr(fn, "__name__", "fn")
-    return run_checks("merge_loop", with_ranks, cases, same=lambda got, want: list(got) == want)
+    return check_cases("merge_loop", with_ranks, cases, same=lambda got, want: list(got) == want)
 
 
 def word_text(word: str) -> str:
@@ -106,4 +106,4 @@ def check_printable_prefix(fn: Callable[[bytes], int]) -> bool:
         for cut in range(len(data) + 1):
             buffer = data[:cut]
             cases.append(((buffer,), len(buffer) - _held_back(buffer)))
-    return run_checks("printable_prefix", fn, cases)
+    return check_cases("printable_prefix", fn, cases)

@@ -1,21 +1,16 @@
 """Chapter 03 exercises: the embedding gather.
 
-`run_array_checks` is the checker loop for exercises whose answer is an array (chapters 03-07): it
-compares with the engine's result within a tolerance and, when the answer is wrong in a way we have
-seen before, names the likely mistake.
+`run_array_checks` sets the one checker loop (engine.exercises.check_cases) up for answers that are
+arrays (chapters 03-07): equal to the engine's result within a tolerance.
 """
 from __future__ import annotations
 
-import copy
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from engine.exercises import call_learner
-from engine.exercises.ch00 import run_checks
+from engine.exercises import Hint, check_cases
 from engine.ops.embedding import embedding_ref
-
-Hint = tuple[str, Callable]   # (what the mistake is, a function computing the mistaken answer)
 
 
 def describe(args: Sequence) -> str:
@@ -35,51 +30,47 @@ def _close(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
     return got.shape == want.shape and bool(np.allclose(got, want, rtol=rtol, atol=atol))
 
 
-def compare_array(title: str, call: str, got, want: np.ndarray, rtol: float, atol: float,
-                  hints: Iterable[tuple[str, np.ndarray]] = ()) -> bool:
-    """Print why `got` is not `want` (shape, NaN, values + the matching hint) and return False, else True."""
+def array_mismatch(got, want: np.ndarray, rtol: float, atol: float) -> str | None:
+    """None when `got` is `want` within tolerance, else why not (shape, NaN, the worst value)."""
     try:
         got = np.asarray(got, dtype=np.float64 if want.dtype.kind == "f" else want.dtype)
     except (TypeError, ValueError) as e:
-        print(f"[x] {title}: {call} returned something that is not an array of numbers ({e})")
-        return False
+        return f"returned something that is not an array of numbers ({e})"
     if got.shape != want.shape:
-        print(f"[x] {title}: {call} returned shape {got.shape}, expected {want.shape}")
-        return False
+        return f"returned shape {got.shape}, expected {want.shape}"
     if _close(got, want, rtol, atol):
-        return True
+        return None
     if want.dtype.kind == "f" and not np.all(np.isfinite(got)) and np.all(np.isfinite(want)):
-        reason = f"contains {int(np.sum(~np.isfinite(got)))} NaN/inf value(s)"
-    else:
-        with np.errstate(invalid="ignore"):
-            err = np.abs(got - want.astype(np.float64))
-        i = np.unravel_index(int(np.nanargmax(err)), err.shape) if np.any(np.isfinite(err)) else (0,) * got.ndim
-        reason = f"is wrong: at index {tuple(int(j) for j in i)} got {got[i]:.6g}, expected {want[i]:.6g}"
-    for text, wrong in hints:
-        if _close(got, np.asarray(wrong, dtype=np.float64), rtol, atol):
-            reason += f" -- it looks like {text}"
-            break
-    print(f"[x] {title}: the result of {call} {reason}")
-    return False
+        return f"returned {int(np.sum(~np.isfinite(got)))} NaN/inf value(s)"
+    with np.errstate(invalid="ignore"):
+        err = np.abs(got - want.astype(np.float64))
+    i = np.unravel_index(int(np.nanargmax(err)), err.shape) if np.any(np.isfinite(err)) else (0,) * got.ndim
+    return f"is wrong: at index {tuple(int(j) for j in i)} got {got[i]:.6g}, expected {want[i]:.6g}"
+
+
+def compare_array(title: str, call: str, got, want: np.ndarray, rtol: float, atol: float) -> bool:
+    """For checkers with a loop of their own: print why `got` is not `want` and return False, else True."""
+    reason = array_mismatch(got, want, rtol, atol)
+    if reason is not None:
+        print(f"[x] {title}: {call} {reason}")
+    return reason is None
 
 
 def run_array_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, np.ndarray]], *,
                      rtol: float = 1e-5, atol: float = 1e-6, hints: Sequence[Hint] = ()) -> bool:
-    """Call fn(*args) on a copy of each case's arguments, compare with the expected array, print
-    one verdict line; True when every case passes. `hints` name common mistakes."""
-    count = 0
-    for args, want in cases:
-        call = f"{getattr(fn, '__name__', 'fn')}{describe(args)}"
-        ok, got = call_learner(title, call, fn, *copy.deepcopy(args))
-        if not ok:
-            return False
-        with np.errstate(all="ignore"):
-            wrong_answers = [(text, wrong(*copy.deepcopy(args))) for text, wrong in hints]
-        if not compare_array(title, call, got, want, rtol, atol, wrong_answers):
-            return False
-        count += 1
-    print(f"[OK] {title}: " + ("the case passes" if count == 1 else f"all {count} cases pass"))
-    return True
+    """check_cases for answers that are arrays: equal within a tolerance, each call on a copy of its
+    arguments, a failure shown by dtype and shape with the worst value. `hints` name common mistakes."""
+    def quiet(mistake):
+        def run(*args):
+            with np.errstate(all="ignore"):
+                return mistake(*args)
+        return run
+
+    return check_cases(title, fn, cases, copy_args=True,
+                       same=lambda got, want: array_mismatch(got, want, rtol, atol) is None,
+                       explain=lambda got, want: array_mismatch(got, want, rtol, atol),
+                       hints=[(text, quiet(mistake)) for text, mistake in hints],
+                       label=lambda f, args: f"{getattr(f, '__name__', 'fn')}{describe(args)}")
 
 
 # ----------------------------------------------------------------------------- the gather
@@ -142,4 +133,36 @@ def check_gather_thread_indices(fn: Callable[[int, int, int, int], list]) -> boo
     cases = [((t, thread, H, threads), gather_thread_indices_ref(t, thread, H, threads))
              for H, threads in ((576, 128), (2048, 128), (72, 128), (33, 32), (7, 32), (300, 64))
              for t in (0, 3) for thread in sorted({0, 1, 31, threads - 1})]
-    return run_checks("gather_thread_indices", fn, cases, same=lambda got, want: list(got) == want)
+    return check_cases("gather_thread_indices", fn, cases, same=lambda got, want: list(got) == want)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU track: the embedding gather as a CUDA kernel (kernels_cu/exercises/embedding.cu)
+# ----------------------------------------------------------------------------------------------
+
+def _embedding_kernel_case(rng, V: int, H: int, T: int, threads: int):
+    from engine.exercises.cuda_check import Case, bf16_values
+    table_bits, table = bf16_values(rng, (V, H))                  # [V, H]
+    ids = rng.integers(0, V, T).astype(np.int32)                 # [T]
+    flat = table.reshape(-1)
+    hints = [("row t of the table was read instead of row ids[t]", table[np.arange(T) % V]),
+             ("the row offset is missing its * H: table[ids[t] + i] instead of table[ids[t] * H + i]",
+              flat[(ids[:, None] + np.arange(H)[None, :]) % flat.size])]
+    return Case(f"V={V} H={H} T={T}, {threads} threads", (T,), threads, {"ids": ids, "table": table_bits},
+                lambda d: (d["ids"], d["table"], d["out"], np.int32(H)), "f32", embedding_ref(ids, table),
+                hints, exact=True, nbytes=T * H * (2 + 4))
+
+
+def _embedding_kernel_cases():
+    rng = np.random.default_rng(30)
+    return [_embedding_kernel_case(rng, V, H, T, threads) for V, H, T, threads in
+            ((1001, 577, 37, 128), (50, 3, 5, 32), (7, 64, 1, 96), (3000, 2048, 129, 128), (100, 1000, 20, 1024))]
+
+
+def check_embedding_kernel(source=None) -> bool | None:
+    """GPU track: your embedding_gather kernel (default: kernels_cu/exercises/embedding.cu; or a path,
+    or the CUDA source text) against the reference, with the likely mistake named and its GB/s."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _embedding_kernel_case(np.random.default_rng(31), 32000, 2048, 2047, 128)  # noqa: E731
+    return check_kernel(Exercise("embedding kernel", "embedding.cu", "embedding_gather", "embedding",
+                                 _embedding_kernel_cases, timing), source)

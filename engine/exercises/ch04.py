@@ -86,3 +86,36 @@ def check_thread_partial_sums(fn: Callable) -> bool:
     hints = [("you summed contiguous chunks; the kernel's thread i takes every `threads`-th element from i",
               lambda row, threads: np.array([np.sum(c.astype(np.float64) ** 2) for c in np.array_split(row, threads)]))]
     return run_array_checks("thread_partial_sums", fn, cases, rtol=1e-5, atol=1e-6, hints=hints)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU track: RMSNorm's block reduction as a CUDA kernel (kernels_cu/exercises/rmsnorm.cu)
+# ----------------------------------------------------------------------------------------------
+
+def _rmsnorm_kernel_case(rng, T: int, H: int, scale: float, eps: float, threads: int):
+    from engine.exercises.cuda_check import Case, f32_values
+    x = f32_values(rng, (T, H), scale)                             # [T, H]
+    if T > 2:
+        x[1] = 0.0                                                 # an all-zero row: only eps keeps it finite
+    w = (1.0 + 0.3 * rng.standard_normal(H, dtype=np.float32)).astype(np.float32)
+    with np.errstate(all="ignore"):
+        hints = [(text, wrong(x, w, eps)) for text, wrong in _HINTS]
+    return Case(f"T={T} H={H} |x|~{scale:g} eps={eps:g}, {threads} threads", (T,), threads, {"x": x, "w": w},
+                lambda d: (d["x"], d["w"], d["out"], np.int32(H), np.float32(eps)), "bf16",
+                rmsnorm_ref(x, w, eps), hints, nbytes=T * H * (4 + 2))
+
+
+def _rmsnorm_kernel_cases():
+    rng = np.random.default_rng(40)
+    return [_rmsnorm_kernel_case(rng, *c) for c in
+            ((3, 577, 3.0, EPS, 32), (4, 8, 1e-3, EPS, 32), (5, 72, 1e-3, EPS, 64), (2, 33, 1e-3, 1e-6, 160),
+             (6, 2048, 50.0, EPS, 256), (1, 7, 1.0, 1e-2, 32), (37, 4099, 1.0, EPS, 1024), (3, 576, 1e-3, EPS, 1024))]
+
+
+def check_rmsnorm_kernel(source=None) -> bool | None:
+    """GPU track: your rmsnorm kernel (default: kernels_cu/exercises/rmsnorm.cu; or a path, or the CUDA
+    source text) against the reference, with the likely mistake named and its GB/s."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _rmsnorm_kernel_case(np.random.default_rng(41), 2047, 2048, 1.0, EPS, 512)  # noqa: E731
+    return check_kernel(Exercise("rmsnorm kernel", "rmsnorm.cu", "rmsnorm", "rmsnorm", _rmsnorm_kernel_cases,
+                                 timing), source)

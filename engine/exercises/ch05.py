@@ -99,3 +99,48 @@ def check_interleaved_to_half(fn: Callable) -> bool:
              ("that is the inverse permutation (half -> interleaved)",
               lambda w, n: w.reshape(n, 2, -1, w.shape[1]).transpose(0, 2, 1, 3).reshape(w.shape))]
     return run_array_checks("interleaved_to_half", fn, cases, rtol=0, atol=0, hints=hints)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU track: RoPE on the fused QKV row as a CUDA kernel (kernels_cu/exercises/rope.cu)
+# ----------------------------------------------------------------------------------------------
+
+def _rope_kernel_case(rng, Hq: int, Hkv: int, D: int, T: int, threads: int, P: int = 512):
+    from engine.exercises.cuda_check import Case, f32_values
+    from engine.ops.rope import rope_qkv
+    cfg = replace(_config(D, 10000.0), num_attention_heads=Hq, num_key_value_heads=Hkv)
+    cos, sin = rope_tables(cfg, P)                                   # [P, D/2] each
+    qkv = f32_values(rng, (T, (Hq + 2 * Hkv) * D))                   # [T, (Hq + 2Hkv) * D]
+    positions = rng.integers(0, P, T).astype(np.int32)               # [T]
+
+    def rotated(pos=positions, c=cos, s=sin, rotate=rope_ref, heads=Hq + Hkv):
+        x = qkv.reshape(T, Hq + 2 * Hkv, D)
+        return np.concatenate([rotate(x[:, :heads], pos, c, s), x[:, heads:]], axis=1).reshape(T, -1)
+
+    hints = [("the interleaved layout (pairs x[2i], x[2i+1]); Hugging Face Llama pairs x[i] with x[i + D/2]",
+              rotated(rotate=rope_interleaved)),
+             ("the rotation goes the wrong way (the sign of sin is flipped)", rotated(s=-sin)),
+             ("row t was rotated by angle t, not by its position positions[t]",
+              rotated(pos=np.arange(T) % P)),
+             ("the v heads were rotated too: only the first Hq + Hkv heads (q and k) rotate",
+              rotated(heads=Hq + 2 * Hkv))]
+    return Case(f"Hq={Hq} Hkv={Hkv} D={D} T={T}, {threads} threads", (T,), threads,
+                {"qkv": qkv, "positions": positions, "cos": cos, "sin": sin},
+                lambda d: (d["qkv"], d["positions"], d["cos"], d["sin"], d["out"], np.int32(Hq + Hkv),
+                           np.int32(Hq + 2 * Hkv), np.int32(D)),
+                "bf16", rope_qkv(qkv, positions, cos, sin, cfg), hints, nbytes=qkv.size * (4 + 2),
+                regions=[((Hq + Hkv) * D, "the v heads (they are copied, not rotated)")])
+
+
+def _rope_kernel_cases():
+    rng = np.random.default_rng(50)
+    return [_rope_kernel_case(rng, *c) for c in
+            ((3, 1, 16, 5, 64), (9, 3, 64, 37, 256), (4, 4, 128, 1, 64), (6, 2, 32, 17, 64), (32, 8, 64, 129, 256))]
+
+
+def check_rope_kernel(source=None) -> bool | None:
+    """GPU track: your rope_qkv kernel (default: kernels_cu/exercises/rope.cu; or a path, or the CUDA
+    source text) against the reference, with the likely mistake named and its GB/s."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _rope_kernel_case(np.random.default_rng(51), 32, 8, 64, 2047, 256, 4096)  # noqa: E731
+    return check_kernel(Exercise("rope kernel", "rope.cu", "rope_qkv", "rope", _rope_kernel_cases, timing), source)

@@ -5,7 +5,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.exercises.ch00 import run_checks
+from engine.exercises import check_cases
 from engine.exercises.ch03 import run_array_checks
 from engine.ops.attention import causal_attention_ref, softmax
 
@@ -27,7 +27,7 @@ def check_kv_head_of(fn: Callable[[int, int, int], int]) -> bool:
     """fn(h, n_heads, n_kv_heads) -> the KV head that query head h reads (h // (n_heads / n_kv_heads))."""
     cases = [((h, nq, nkv), h // (nq // nkv))
              for nq, nkv in ((8, 8), (9, 3), (32, 8), (4, 1), (6, 2), (12, 4)) for h in range(nq)]
-    return run_checks("kv_head_of", fn, cases, same=lambda got, want: int(got) == want)
+    return check_cases("kv_head_of", fn, cases, same=lambda got, want: int(got) == want)
 
 
 def _repeat_kv_attention(q, k, v, scale, kv_index):
@@ -78,4 +78,4 @@ def check_kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
     shapes = ((16, 8, 64, 2), (16, 32, 64, 2), (16, 1, 64, 2), (30, 3, 64, 2), (30, 3, 64, 4), (32, 8, 128, 2),
               (80, 8, 128, 1), (1, 1, 1, 1))
     cases = [(s, 2 * s[0] * s[1] * s[2] * s[3]) for s in shapes]
-    return run_checks("kv_bytes_per_token", fn, cases, same=lambda got, want: got == want)
+    return check_cases("kv_bytes_per_token", fn, cases, same=lambda got, want: got == want)

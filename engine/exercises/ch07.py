@@ -141,3 +141,40 @@ def check_top_k_probs(fn: Callable) -> bool:
              ("these are the logits, not probabilities",
               lambda lg, k: np.stack([top_k_probs_ref(lg, k)[0], np.sort(lg)[::-1][:k]]))]
     return run_array_checks("top_k_probs", _as_rows(fn), cases, rtol=1e-4, atol=1e-7, hints=hints)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU track: SwiGLU as a CUDA kernel (kernels_cu/exercises/swiglu.cu)
+# ----------------------------------------------------------------------------------------------
+
+def _swiglu_kernel_case(rng, T: int, I: int, max_blocks: int = 65535):
+    from engine.exercises.cuda_check import Case, f32_values
+    gate_up = f32_values(rng, (T, 2 * I), 2.0)                     # [T, 2I]: gate columns, then up columns
+    gate, up = gate_up[:, :I], gate_up[:, I:]
+    flat = gate_up.reshape(-1)
+    idx = np.arange(T)[:, None] * I + np.arange(I)[None, :]        # a row stride of I instead of 2I
+    with np.errstate(all="ignore"):
+        hints = [("gate and up are swapped: silu(up) * gate", silu(up) * gate),
+                 ("sigmoid(g) * u: SiLU is g * sigmoid(g)", up / (1 + np.exp(-gate))),
+                 ("the row stride of gate_up is I; each row holds 2I values (gate, then up)",
+                  silu(flat[idx]) * flat[idx + I])]
+    n = T * I
+    blocks = min((n + 255) // 256, max_blocks)
+    label = f"T={T} I={I}, {blocks} blocks of 256" + (" (grid capped)" if blocks < (n + 255) // 256 else "")
+    return Case(label, (blocks,), 256, {"gate_up": gate_up},
+                lambda d: (d["gate_up"], d["out"], np.int64(n), np.int32(I)), "bf16", swiglu_ref(gate_up), hints,
+                nbytes=n * (8 + 2))
+
+
+def _swiglu_kernel_cases():
+    rng = np.random.default_rng(70)
+    return [_swiglu_kernel_case(rng, *c) for c in ((5, 137), (1, 3), (37, 1000, 4), (64, 2049), (3, 8192, 7))]
+
+
+def check_swiglu_kernel(source=None) -> bool | None:
+    """GPU track: your swiglu kernel (default: kernels_cu/exercises/swiglu.cu; or a path, or the CUDA
+    source text) against the reference, with the likely mistake named and its GB/s."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _swiglu_kernel_case(np.random.default_rng(71), 2047, 8192)  # noqa: E731
+    return check_kernel(Exercise("swiglu kernel", "swiglu.cu", "swiglu", "swiglu", _swiglu_kernel_cases, timing),
+                        source)

@@ -8,12 +8,11 @@ from typing import Callable
 import numpy as np
 
 from engine.config import LlamaConfig, config_from_dict
-from engine.exercises import call_learner
+from engine.exercises import call_learner, check_cases
 from engine.exercises.ch03 import describe, run_array_checks
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, load_model
 from engine.random_model import PRESETS, write_random_model
-
 
 # ----------------------------------------------------------------------------- the cache append
 
@@ -295,23 +294,18 @@ def check_kv_cache_bytes(fn: Callable) -> bool:
             else kv_cache_bytes_ref(cfg, seqs, ctx, bpv)
         checked.append(((cfg, seqs, ctx, bpv), want))
 
-    count = 0
-    for (cfg, seqs, ctx, bpv), want in checked:
-        call = f"{getattr(fn, '__name__', 'fn')}{describe((cfg, seqs, ctx, bpv))}"
-        ok, got = call_learner("kv_cache_bytes", call, fn, cfg, seqs, ctx, bpv)
-        if not ok:
-            return False
-        if got != want:
-            mistakes = {"K and V are two tensors: the factor 2 is missing": want // 2,
-                        "that counts the query heads; the cache only holds the KV heads":
-                            want // cfg.num_key_value_heads * cfg.num_attention_heads,
-                        "that is one layer; every layer has its own K and V": want // cfg.num_hidden_layers}
-            hint = next((f" -- it looks like {text}" for text, value in mistakes.items() if got == value != want), "")
-            print(f"[x] kv_cache_bytes: {call} with {config_label(cfg)} returned {got!r}, expected {want}{hint}")
-            return False
-        count += 1
-    print(f"[OK] kv_cache_bytes: all {count} cases pass")
-    return True
+    hints = [("K and V are two tensors: the factor 2 is missing", lambda cfg, *rest: _want(cfg, *rest) // 2),
+             ("that counts the query heads; the cache only holds the KV heads",
+              lambda cfg, *rest: _want(cfg, *rest) // cfg.num_key_value_heads * cfg.num_attention_heads),
+             ("that is one layer; every layer has its own K and V",
+              lambda cfg, *rest: _want(cfg, *rest) // cfg.num_hidden_layers)]
+    return check_cases("kv_cache_bytes", fn, checked, hints=hints,
+                       label=lambda f, args: f"{getattr(f, '__name__', 'fn')}{describe(args)} "
+                                             f"with {config_label(args[0])}")
+
+
+def _want(cfg: LlamaConfig, seqs: int, ctx: int, bpv: int) -> int:
+    return kv_cache_bytes_ref(cfg, seqs, ctx, bpv)
 
 
 def config_label(cfg: LlamaConfig) -> str:

@@ -2,17 +2,16 @@
 
 `run_scheduler` drives the real Scheduler with a stand-in model (every sampled token is 7 and eos
 never stops a request), so a timeline depends only on prompt lengths, max_new_tokens and arrivals:
-the checkers of chapters 09-10 take their expected answers from it. `run_hinted_checks` is the
-checker loop for answers that are numbers or lists, naming a known mistake when the answer matches it.
+the checkers of chapters 09-10 take their expected answers from it.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from engine.config import config_from_dict
-from engine.exercises.ch00 import run_checks
+from engine.exercises import check_cases
 from engine.paged_kv import BlockAllocator, SlotAllocator
 from engine.random_model import PRESETS
 from engine.sampling import SamplingParams
@@ -61,33 +60,6 @@ def demo_workload(num_requests: int = 12, seed: int = 0, vocab_size: int = 397):
     return prompts, params
 
 
-def run_hinted_checks(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
-                      hints: Sequence[tuple[str, Callable]] = (),
-                      same: Callable[[object, object], bool] = lambda got, want: got == want) -> bool:
-    """run_checks, plus: when an answer is wrong and equals a known mistake's answer, say which."""
-    cases = list(cases)
-
-    def named_mistake(args, got) -> str:
-        for text, wrong in hints:
-            try:
-                if same(got, wrong(*args)):
-                    return f" -- it looks like {text}"
-            except Exception:   # a hint that does not apply to these arguments
-                continue
-        return ""
-
-    for args, expected in cases:
-        try:
-            got = fn(*args)
-        except Exception:
-            break            # run_checks below reports it (not attempted, or the error)
-        if not same(got, expected):
-            call = f"{getattr(fn, '__name__', 'fn')}{args if len(args) != 1 else f'({args[0]!r})'}"
-            print(f"[x] {title}: {call} returned {got!r}, expected {expected!r}{named_mistake(args, got)}")
-            return False
-    return run_checks(title, fn, cases, same)
-
-
 # ----------------------------------------------------------------------------- padding
 
 def pad_tokens_ref(prompt_lens: Sequence[int], batch_size: int) -> int:
@@ -111,7 +83,7 @@ def check_pad_tokens(fn: Callable[[list, int], int]) -> bool:
               lambda lens, b: pad_tokens_ref(lens, b) + sum(lens)),
              ("the last, partial batch was left out",
               lambda lens, b: pad_tokens_ref(lens[:len(lens) - len(lens) % b], b))]
-    return run_hinted_checks("pad_tokens", fn, cases, hints)
+    return check_cases("pad_tokens", fn, cases, hints=hints)
 
 
 # ----------------------------------------------------------------------------- waiting for the slowest
@@ -137,7 +109,7 @@ def check_static_decode_cost(fn: Callable[[list, int], tuple]) -> bool:
               lambda m, b: (sum(max(g) for g in groups(m, b)), sum(len(g) * max(g) - sum(g) for g in groups(m, b)))),
              ("the group was padded to the longest request of the whole workload",
               lambda m, b: (len(groups(m, b)) * (max(m) - 1), sum(len(g) * max(m) - sum(g) for g in groups(m, b))))]
-    return run_hinted_checks("static_decode_cost", fn, cases, hints,
+    return check_cases("static_decode_cost", fn, cases, hints=hints,
                              same=lambda got, want: tuple(int(v) for v in got) == want)
 
 
@@ -154,4 +126,4 @@ def check_slot_cache_bytes(fn: Callable) -> bool:
              ("only K was counted (V takes as much again)", lambda c, s, t, b: s * t * c.kv_bytes_per_token(b) // 2),
              ("one layer was counted; every layer has its own K and V",
               lambda c, s, t, b: s * t * c.kv_bytes_per_token(b) // c.num_hidden_layers)]
-    return run_hinted_checks("slot_cache_bytes", fn, cases, hints)
+    return check_cases("slot_cache_bytes", fn, cases, hints=hints)

@@ -7,8 +7,8 @@ from typing import Callable
 
 import numpy as np
 
-from engine.exercises import call_learner
-from engine.exercises.ch09 import run_hinted_checks, run_scheduler
+from engine.exercises import call_learner, check_cases
+from engine.exercises.ch09 import run_scheduler
 from engine.step_log import request_latencies
 
 # The workload of the by-hand exercise: request i has prompt_lens[i] prompt tokens, generates
@@ -125,7 +125,7 @@ def check_latencies(fn: Callable[[list], dict]) -> bool:
             return as_ints(got) == want
         except (TypeError, ValueError, AttributeError):
             return False
-    return run_hinted_checks("latencies", fn, cases, hints, same)
+    return check_cases("latencies", fn, cases, hints=hints, same=same)
 
 
 class _Log(list):

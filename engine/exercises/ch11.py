@@ -7,11 +7,10 @@ from typing import Callable
 
 import numpy as np
 
-from engine.exercises.ch09 import run_hinted_checks
+from engine.exercises import check_cases
 from engine.paged_kv import PageAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
-
 
 # ----------------------------------------------------------------------------- the lookup
 
@@ -36,7 +35,7 @@ def check_slot_of(fn: Callable[[list, int, int], int]) -> bool:
               lambda t, p, bs: t[p // bs] + p % bs),
              ("the table was indexed by the offset and the page by the quotient, the wrong way round",
               lambda t, p, bs: t[p % bs] * bs + p // bs)]
-    return run_hinted_checks("slot_of", fn, cases, hints)
+    return check_cases("slot_of", fn, cases, hints=hints)
 
 
 # ----------------------------------------------------------------------------- pages per request
@@ -71,7 +70,7 @@ def check_pages_needed(fn: Callable[[int, int, int, int], int]) -> bool:
               lambda p, n, ps, ctx: -(-(p + n - 1) // ps)),
              ("that rounds down; a partly filled page is still a whole page",
               lambda p, n, ps, ctx: (min(p + n, ctx) - 1) // ps)]
-    return run_hinted_checks("pages_needed", fn, cases, hints)
+    return check_cases("pages_needed", fn, cases, hints=hints)
 
 
 # ----------------------------------------------------------------------------- online softmax
@@ -141,11 +140,11 @@ def check_online_update(fn: Callable) -> bool:
               lambda m, l, acc, s, v: (max(m, s), l + math.exp(s - max(m, s)), online_update_ref(m, l, acc, s, v)[2])),
              ("exp(s) was used without subtracting the running max",
               lambda m, l, acc, s, v: (max(m, s), l + math.exp(s), acc + math.exp(s) * v))]
-    if not run_hinted_checks("online_update (one key)", fn, cases, hints, same=_state_close):
+    if not check_cases("online_update (one key)", fn, cases, hints=hints, same=_state_close):
         return False
     def your_update_over_every_key(scores, values):
         return _streamed(fn, scores, values)
-    return run_hinted_checks("online_update (streaming every key)", your_update_over_every_key,
+    return check_cases("online_update (streaming every key)", your_update_over_every_key,
                              stream_cases, same=_state_close)
 
 
@@ -173,4 +172,110 @@ def check_merge(fn: Callable) -> bool:
               lambda a, b: (max(a[0], b[0]), a[1] + b[1], a[2] + b[2])),
              ("the outputs acc/l were averaged; weight each state by its share of the total l",
               lambda a, b: (max(a[0], b[0]), 1.0, (a[2] / a[1] + b[2] / b[1]) / 2))]
-    return run_hinted_checks("merge", fn, cases, hints, same=_state_close)
+    return check_cases("merge", fn, cases, hints=hints, same=_state_close)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU track: the KV write and a first paged-attention decode kernel
+# (kernels_cu/exercises/kv_write.cu, kernels_cu/exercises/paged_attention.cu)
+# ----------------------------------------------------------------------------------------------
+
+def _kv_write_kernel_case(rng, Hq: int, Hkv: int, D: int, T: int, pages: int, page_size: int, threads: int):
+    from engine.exercises.cuda_check import Case, bf16_values
+    q_dim, kv_dim = Hq * D, Hkv * D
+    slots = pages * page_size
+    qkv_bits, qkv = bf16_values(rng, (T, q_dim + 2 * kv_dim))       # [T, q_dim + 2 kv_dim]
+    slot_mapping = rng.permutation(slots)[:T].astype(np.int32)       # [T], shuffled: pages are anywhere
+
+    def cache(k_cols, v_cols, rows=slot_mapping):
+        out = np.full((2 * slots, kv_dim), np.nan, dtype=np.float32)  # [k slots | v slots, kv_dim]; NaN = untouched
+        out[rows] = qkv[:, k_cols]
+        out[slots + rows] = qkv[:, v_cols]
+        return out
+
+    k_cols, v_cols = np.arange(q_dim, q_dim + kv_dim), np.arange(q_dim + kv_dim, q_dim + 2 * kv_dim)
+    hints = [("k and v are swapped", cache(v_cols, k_cols)),
+             ("the q heads were copied: k starts q_dim values into the row", cache(np.arange(kv_dim), k_cols))]
+    return Case(f"Hq={Hq} Hkv={Hkv} D={D} T={T} into {pages} pages of {page_size}, {threads} threads", (T,), threads,
+                {"qkv": qkv_bits, "slot_mapping": slot_mapping},
+                lambda d: (d["qkv"], d["slot_mapping"], d["out"][:slots], d["out"][slots:], np.int32(q_dim),
+                           np.int32(kv_dim)),
+                "bf16", cache(k_cols, v_cols), hints, exact=True, nbytes=T * kv_dim * 2 * 2 * 2)
+
+
+def _kv_write_kernel_cases():
+    rng = np.random.default_rng(110)
+    return [_kv_write_kernel_case(rng, *c) for c in
+            ((4, 2, 16, 5, 4, 3, 128), (9, 3, 64, 37, 10, 16, 32), (32, 8, 64, 129, 20, 16, 128),
+             (1, 1, 2, 1, 1, 5, 128))]
+
+
+def check_kv_write_kernel(source=None) -> bool | None:
+    """GPU track: your kv_write kernel (default: kernels_cu/exercises/kv_write.cu; or a path, or the CUDA
+    source text) against the reference, with the likely mistake named and its GB/s."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _kv_write_kernel_case(np.random.default_rng(111), 32, 8, 64, 2047, 200, 16, 128)  # noqa: E731
+    return check_kernel(Exercise("kv_write kernel", "kv_write.cu", "kv_write", "kv_write", _kv_write_kernel_cases,
+                                 timing), source)
+
+
+def _paged_kernel_case(rng, Hq: int, Hkv: int, D: int, ctxs: list, page_size: int, reference: bool = True):
+    from engine.exercises.cuda_check import Case, bf16_values
+    from engine.ops.paged_attention import paged_attention_ref
+    S, G = len(ctxs), Hq // Hkv
+    per_seq = max(-(-c // page_size) for c in ctxs)                  # pages per sequence (table width)
+    pages = S * per_seq + 3
+    order = rng.permutation(pages).astype(np.int32)                  # shuffled pages
+    tables = order[:S * per_seq].reshape(S, per_seq).copy()          # [S, per_seq]
+    kc_bits, kc = bf16_values(rng, (pages, page_size, Hkv, D))
+    vc_bits, vc = bf16_values(rng, (pages, page_size, Hkv, D))
+    qkv_bits, qkv = bf16_values(rng, (S, (Hq + 2 * Hkv) * D))       # one decode row per sequence
+    q = qkv[:, :Hq * D].reshape(S, Hq, D)
+    seq_idx = np.arange(S, dtype=np.int32)
+    positions = np.array(ctxs, dtype=np.int32) - 1
+    scale = D ** -0.5
+
+    def attend(q=q, tables=tables, scale=scale, head_of=None):
+        if not reference:
+            return np.zeros((S, Hq * D), np.float32)
+        if head_of is None:
+            return paged_attention_ref(q, kc, vc, tables, seq_idx, positions, scale).reshape(S, -1)
+        order_ = np.argsort(head_of, kind="stable")                  # query heads grouped by the KV head they read
+        out = np.empty((S, Hq, D), np.float32)
+        out[:, order_] = paged_attention_ref(q[:, order_], kc, vc, tables, seq_idx, positions, scale)
+        return out.reshape(S, -1)
+
+    in_order = (np.arange(S)[:, None] * per_seq + np.arange(per_seq)[None, :]).astype(np.int32)
+    hints = [] if not reference else [
+        ("the scale 1/sqrt(D) is missing (or applied twice)", attend(scale=1.0)),
+        ("the page table is ignored: key j is not at slot j (the pages of a sequence are anywhere in the cache)",
+         attend(tables=in_order)),
+        ("query head h read KV head h % Hkv; heads sharing a KV head are consecutive: h / GROUP",
+         attend(head_of=np.arange(Hq) % Hkv))]
+    unused = np.zeros(1, np.float32)
+    return Case(f"Hq={Hq} Hkv={Hkv} D={D} contexts {ctxs if S <= 6 else f'{ctxs[0]} x {S}'} in pages of {page_size}",
+                (S, Hkv, 1), 128,
+                {"qkv": qkv_bits, "k": kc_bits, "v": vc_bits, "tables": tables, "seq": seq_idx, "pos": positions,
+                 "unused": unused},
+                lambda d: (d["qkv"], np.int64(qkv.shape[1]), d["k"], d["v"], d["tables"], np.int32(per_seq), d["seq"],
+                           d["pos"], np.int32(page_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)), d["out"],
+                           np.int64(Hq * D), d["unused"], d["unused"]),
+                "bf16", attend(), hints, defines={"HEAD_DIM": D, "GROUP": G}, nbytes=sum(ctxs) * Hkv * D * 2 * 2)
+
+
+def _paged_kernel_cases():
+    rng = np.random.default_rng(112)
+    return [_paged_kernel_case(rng, *c) for c in
+            ((4, 4, 64, [17, 33, 100, 2], 16), (8, 1, 32, [31, 16, 2], 7), (12, 3, 64, [500], 16),
+             (6, 2, 128, [257, 64], 5), (2, 1, 16, [3, 40], 4), (32, 8, 64, [70, 129, 1], 16))]
+
+
+def check_paged_attention_kernel(source=None) -> bool | None:
+    """GPU track: your paged_attention decode kernel (default: kernels_cu/exercises/paged_attention.cu;
+    or a path, or the CUDA source text) against the reference, with the mistake named and its GB/s
+    beside the engine's pipelined kernel on 64 sequences of 2,048 keys."""
+    from engine.exercises.cuda_check import Exercise, check_kernel
+    timing = lambda: _paged_kernel_case(np.random.default_rng(113), 32, 8, 64, [2048] * 64, 16,  # noqa: E731
+                                        reference=False)
+    return check_kernel(Exercise("paged_attention kernel", "paged_attention.cu", "paged_attention", "paged_attention",
+                                 _paged_kernel_cases, timing), source)

@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from engine.config import LlamaConfig
-from engine.exercises import call_learner
+from engine.exercises import check_cases
 from engine.exercises.ch08 import config_label, preset_config
 from engine.paged_kv import PageAllocator, SlotAllocator
 from engine.step_log import summarize
@@ -27,36 +27,6 @@ def _call(fn: Callable, args: tuple) -> str:
         return repr(a)
     parts = [show(a) for a in args]
     return f"{getattr(fn, '__name__', 'fn')}({', '.join(parts)})"
-
-
-def _run(title: str, fn: Callable, cases: list, same: Callable, hints: list | None = None,
-         label: Callable = _call) -> bool:
-    """Like run_checks, with arguments shown by `label` and a hint when the answer matches a known mistake."""
-    count = 0
-    for args, want in cases:
-        call = label(fn, args)
-        ok, got = call_learner(title, call, fn, *args)
-        if not ok:
-            return False
-        try:
-            ok = same(got, want)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            hint = ""
-            for text, mistake in hints or ():
-                try:
-                    matched = same(got, mistake(*args)) and not same(want, mistake(*args))
-                except (TypeError, ValueError, ZeroDivisionError):
-                    matched = False
-                if matched:
-                    hint = f" -- it looks like {text}"
-                    break
-            print(f"[x] {title}: {call} returned {got!r}, expected {want!r}{hint}")
-            return False
-        count += 1
-    print(f"[OK] {title}: all {count} cases pass")
-    return True
 
 
 def _close(got, want) -> bool:
@@ -87,7 +57,7 @@ def check_decode_floor(fn: Callable) -> bool:
               lambda c, b, n, bw, bpv: decode_floor_ref(c, b, n, bw, bpv) / b),
              ("the K/V was counted once per step; every sequence reads its own",
               lambda c, b, n, bw, bpv: b * bw * 1e9 / (c.num_parameters() * bpv + n * c.kv_bytes_per_token(bpv)))]
-    return _run("decode_floor", fn, cases, _close, hints)
+    return check_cases("decode_floor", fn, cases, same=_close, hints=hints, label=_call)
 
 
 # ----------------------------------------------------------------------------- what fits in a pool
@@ -111,7 +81,8 @@ def check_contiguous_slots(fn: Callable) -> bool:
               lambda c, p, n, b: -(-p // (n * c.kv_bytes_per_token(b)))),
              ("K and V are two tensors: the factor 2 is missing",
               lambda c, p, n, b: p // (n * c.kv_bytes_per_token(b) // 2))]
-    return _run("contiguous_slots", fn, checked, lambda got, want: int(got) == want, hints)
+    return check_cases("contiguous_slots", fn, checked, same=lambda got, want: int(got) == want, hints=hints,
+                       label=_call)
 
 
 def paged_fit_ref(config: LlamaConfig, pool_bytes: int, seq_lens: list[int], page_size: int = 16,
@@ -144,7 +115,8 @@ def check_paged_fit(fn: Callable) -> bool:
     def by_tokens(c, p, lens, ps, b):
         return int(np.searchsorted(np.cumsum(lens), p // c.kv_bytes_per_token(b), side="right"))
     hints = [("the sequences were counted in tokens; each takes whole pages (round its length up)", by_tokens)]
-    return _run("paged_fit", fn, checked, lambda got, want: int(got) == want, hints)
+    return check_cases("paged_fit", fn, checked, same=lambda got, want: int(got) == want, hints=hints,
+                       label=_call)
 
 
 # ----------------------------------------------------------------------------- a serving log
@@ -186,5 +158,5 @@ def check_step_log_summary(fn: Callable) -> bool:
         return step_log_summary_ref(log)[:2] + (float(np.mean(rows)) if rows else 0.0,)
 
     hints = [("the mean counts the rows of every step; only decode steps count", mean_over_all_steps)]
-    return _run("step_log_summary", fn, cases, same, hints,
+    return check_cases("step_log_summary", fn, cases, same=same, hints=hints,
                 label=lambda f, args: f"{getattr(f, '__name__', 'fn')}(<step log of {len(args[0])} steps>)")

@@ -10,6 +10,7 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel, matmul
 from engine.config import LlamaConfig
+from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -48,6 +49,15 @@ def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
     both run the tiled NumPy reference, so that no T x T matrix is ever allocated.
     """
     scale = config.head_dim ** -0.5
+    plug = OVERRIDES.get("attention")            # your stage (engine/plugins.py), if one is active
+    if plug is not None and (plug.fn is not None or not is_device_array(qkv)):
+        plug.require_function()
+        q, k, v = split_qkv(to_host(qkv), config)
+        out = np.empty((qkv.shape[0], config.q_dim), dtype=np.float32)
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            one = checked_result("attention", plug.fn(q[a:b], k[a:b], v[a:b], scale), q[a:b].shape)
+            out[a:b] = one.reshape(b - a, -1)
+        return to_backend(out, qkv, bf16=True)
     if not is_device_array(qkv):
         from engine.ops.flash_attention import flash_attention_ref  # (it imports split_qkv from here)
         q, k, v = split_qkv(qkv, config)
@@ -58,7 +68,7 @@ def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
     out = cp.empty((qkv.shape[0], config.q_dim), dtype=cp.uint16)
     for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         if b > a:
-            _prefill_attention_gpu(qkv[a:b], out[a:b], config, scale)
+            _prefill_attention_gpu(qkv[a:b], out[a:b], config, scale, plug)
     return out
 
 
@@ -69,7 +79,7 @@ def _head_view(x, col0: int, n_kv: int, head_stride: int, D: int):
     return as_strided(x[:, col0:], shape=(n_kv, x.shape[0], D), strides=(head_stride * item, x.strides[0], item))
 
 
-def _prefill_attention_gpu(qkv, out, config: LlamaConfig, scale: float):
+def _prefill_attention_gpu(qkv, out, config: LlamaConfig, scale: float, plug=None):
     """One prompt: S = Q K^T (cuBLAS), P = causal softmax (kernel), O = P V (cuBLAS).
 
     Query heads are taken j = 0..r-1 at a time: heads {g*r + j} for all g form a batch with a fixed
@@ -87,6 +97,7 @@ def _prefill_attention_gpu(qkv, out, config: LlamaConfig, scale: float):
     for j in range(r):
         matmul(_head_view(qkv, j * D, Hkv, r * D, D), k, scores[:, j], trans_b=True)
     threads = min(1024, max(32, 32 * ((T + 127) // 128)))
-    load_kernel("attention", "causal_softmax")((Hq * T,), (threads,), (scores, probs, np.int32(T), np.float32(scale)))
+    softmax_kernel = plug.kernel() if plug is not None else load_kernel("attention", "causal_softmax")
+    softmax_kernel((Hq * T,), (threads,), (scores, probs, np.int32(T), np.float32(scale)))
     for j in range(r):
         matmul(probs[:, j], v, _head_view(out, j * D, Hkv, r * D, D))

@@ -17,6 +17,7 @@ from engine.config import LlamaConfig
 
 NWARPS = 4          # warps per block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 from engine.ops.attention import softmax, split_qkv
+from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
 
 def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
@@ -28,14 +29,21 @@ def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.
 
 def kv_write(qkv, slot_mapping, k_cache, v_cache, config: LlamaConfig) -> None:
     """Store the k and v heads of a QKV buffer [T, (Hq + 2Hkv) * D] (after RoPE) in the cache."""
+    plug = OVERRIDES.get("kv_write")             # your stage (engine/plugins.py), if one is active
     if not is_device_array(qkv):
         _, k, v = split_qkv(qkv, config)
-        kv_write_ref(k, v, k_cache, v_cache, np.asarray(slot_mapping))
+        write = kv_write_ref
+        if plug is not None:
+            plug.require_function()
+            write = plug.fn
+        write(k, v, k_cache, v_cache, np.asarray(slot_mapping))
         return
+    if plug is not None and plug.fn is not None:
+        cache_function_on_gpu("kv_write")
     T = qkv.shape[0]
     if T:
-        load_kernel("kv_write", "kv_write")((T,), (128,), (qkv, slot_mapping, k_cache, v_cache,
-                                                          np.int32(config.q_dim), np.int32(config.kv_dim)))
+        kernel = plug.kernel() if plug is not None else load_kernel("kv_write", "kv_write")
+        kernel((T,), (128,), (qkv, slot_mapping, k_cache, v_cache, np.int32(config.q_dim), np.int32(config.kv_dim)))
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale: float) -> np.ndarray:
@@ -81,14 +89,22 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     scale = config.head_dim ** -0.5
     Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     R = qkv.shape[0]
+    plug = OVERRIDES.get("paged_attention")      # your stage (engine/plugins.py), if one is active
     if not is_device_array(qkv):
         q, _, _ = split_qkv(qkv, config)
+        if plug is not None:
+            plug.require_function()
+            got = plug.fn(q.copy(), k_cache, v_cache, block_tables, seq_idx, positions, scale)
+            return checked_result("paged_attention", got, q.shape).reshape(R, -1)
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale).reshape(R, -1)
+    if plug is not None:
+        if plug.fn is not None:
+            cache_function_on_gpu("paged_attention")
+        splits = 1                                   # your kernel runs alone: no merge of split slices
     import cupy as cp
     out = cp.empty((R, Hq * D), dtype=cp.uint16)
     if R == 0:
         return out
-    block_size = k_cache.shape[1]
     if splits is None:
         splits = choose_splits(R, Hkv, max_context, sm_count(cp.cuda.Device().id))
     kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv, NWARPS=NWARPS)
@@ -97,12 +113,34 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
         part_acc = cp.empty((R, Hq, splits, D), dtype=cp.float32)
     else:
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
-    load_kernel("paged_attention", "paged_attention", **kernel_args)(
-        (R, Hkv, splits), (32 * NWARPS,),
-        (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
-         seq_idx, positions, np.int32(block_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)),
-         out, np.int64(Hq * D), part_ml, part_acc))
+    kernel = plug.kernel(**kernel_args) if plug is not None else load_kernel("paged_attention", "paged_attention",
+                                                                               **kernel_args)
+    kernel((R, Hkv, splits), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions,
+                                                         config, out, part_ml, part_acc))
     if splits > 1:
         load_kernel("paged_attention", "paged_attention_merge", **kernel_args)(
             (R, Hq), (D,), (part_ml, part_acc, np.int32(splits), out, np.int64(Hq * D)))
+    return out
+
+
+def _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig, out, part_ml, part_acc):
+    """The argument tuple shared by paged_attention and paged_attention_naive (kernels_cu/paged_attention.cu)."""
+    scale_log2e = config.head_dim ** -0.5 * np.log2(np.e)
+    return (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
+            seq_idx, positions, np.int32(k_cache.shape[1]), np.int32(config.num_key_value_heads),
+            np.float32(scale_log2e), out, np.int64(config.q_dim), part_ml, part_acc)
+
+
+def paged_attention_naive(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig):
+    """The ladder's first rung on the GPU (kernel_bench compares it with `paged_attention`): one warp
+    per query head, keys one at a time, no split. Same arguments and result as paged_attention."""
+    import cupy as cp
+    R, Hkv = qkv.shape[0], config.num_key_value_heads
+    out = cp.empty((R, config.q_dim), dtype=cp.uint16)
+    if R:
+        unused = cp.empty(1, dtype=cp.float32)
+        load_kernel("paged_attention", "paged_attention_naive", HEAD_DIM=config.head_dim,
+                    GROUP=config.num_attention_heads // Hkv, NWARPS=NWARPS)(
+            (R, Hkv, 1), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config,
+                                              out, unused, unused))
     return out

@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel
 from engine.config import LlamaConfig
+from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
@@ -59,7 +60,12 @@ def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig):
     q, k rotated and v converted, the layout attention and the KV cache read.
     """
     Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    plug = OVERRIDES.get("rope")                 # your stage (engine/plugins.py), if one is active
+    if plug is not None and plug.fn is not None:
+        return _rope_function(plug, qkv, positions, cos, sin, Hq + Hkv, D)
     if not is_device_array(qkv):
+        if plug is not None:
+            plug.require_function()
         T = qkv.shape[0]
         heads = qkv.reshape(T, Hq + 2 * Hkv, D)
         rotated = rope_ref(heads[:, :Hq + Hkv], np.asarray(positions), cos, sin)
@@ -68,6 +74,15 @@ def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig):
     T = qkv.shape[0]
     out = cp.empty(qkv.shape, dtype=cp.uint16)
     if T:
-        load_kernel("rope", "rope_qkv")((T,), (256,), (qkv, positions, cos, sin, out, np.int32(Hq + Hkv),
-                                                       np.int32(Hq + 2 * Hkv), np.int32(D)))
+        kernel = plug.kernel() if plug is not None else load_kernel("rope", "rope_qkv")
+        kernel((T,), (256,), (qkv, positions, cos, sin, out, np.int32(Hq + Hkv), np.int32(Hq + 2 * Hkv), np.int32(D)))
     return out
+
+
+def _rope_function(plug, qkv, positions, cos, sin, n_rotated: int, D: int):
+    """A NumPy rope override rotates the q and k heads ([T, Hq + Hkv, D]); v is passed through."""
+    heads = to_host(qkv).reshape(qkv.shape[0], -1, D)                   # [T, Hq + 2Hkv, D]
+    qk = heads[:, :n_rotated]
+    rotated = checked_result("rope", plug.fn(qk.copy(), to_host(positions), to_host(cos), to_host(sin)), qk.shape)
+    out = np.concatenate([rotated, heads[:, n_rotated:]], axis=1).reshape(qkv.shape[0], -1)
+    return to_backend(out, qkv, bf16=True)
