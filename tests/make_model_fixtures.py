@@ -5,8 +5,8 @@
 
 Configs come in both layouts: the older one (top-level rope_theta / rope_scaling) and the current
 one, which is the config.json that transformers itself writes (`rope_parameters`), produced here by
-transformers.LlamaConfig(...).save_pretrained. For every config it writes the random model directory (engine.random_model, fixed seed), runs
-transformers on fixed token ids and stores, in tests/fixtures/:
+transformers.LlamaConfig(...).save_pretrained. For every config it writes the random model directory
+(engine.random_model, fixed seed), runs transformers on fixed token ids and stores, in tests/fixtures/:
     model_oracle_<name>.npz     token_ids int32 [T], logits float32 [T, V]
     model_oracle_index.json     per config: the config dict, seed, dtype, sha256 of model.safetensors
     model_oracle_bf16_torch.npz float32 bit patterns and torch's bf16 bits (non-NaN inputs)
@@ -25,8 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.random_model import PRESETS, write_random_model  # noqa: E402
 from oracle_helpers import FIXTURES, GEN_CONFIG, hf_logits, sha256_file  # noqa: E402
+
+from engine.random_model import PRESETS, write_random_model  # noqa: E402
 
 # name -> (config dict, dtype on disk, number of tokens). Together: tied and untied embeddings,
 # MHA / GQA 3 / GQA 4 / MQA, head_dim != hidden / heads, llama3 scaling (positions past the original

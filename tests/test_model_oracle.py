@@ -11,10 +11,10 @@ import json
 
 import numpy as np
 import pytest
+from oracle_helpers import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
 
 from engine.model import Model, load_model
 from engine.random_model import write_random_model
-from oracle_helpers import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
 
 INDEX = json.loads((FIXTURES / "model_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
