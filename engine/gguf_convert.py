@@ -32,6 +32,8 @@ from typing import Callable
 
 import numpy as np
 
+from engine.weights import expected_shapes  # the one shape rule, shared with the loader
+
 CONVERTER_VERSION = 1          # bump when the output changes, so caches get rebuilt
 MARKER_FILE = "gguf_source.json"
 
@@ -251,24 +253,6 @@ def hf_tensor_name(name: str) -> str:
             "scaling), which cannot be turned back into a config reliably; use the original "
             "Hugging Face directory instead")
     raise GGUFConversionError(f"unexpected tensor {name!r} for a Llama model")
-
-
-def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    h, f, v, d = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "head_dim"))
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    per_layer = {
-        "input_layernorm": (h,), "post_attention_layernorm": (h,),
-        "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f),
-    }
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config["num_hidden_layers"]):
-        for name, shape in per_layer.items():
-            shapes[f"model.layers.{layer}.{name}.weight"] = shape
-    return shapes
 
 
 def convert_tensors(reader, config: dict, progress: Progress) -> dict[str, np.ndarray]:

@@ -4,35 +4,62 @@ One layout serves every chapter: per layer, K and V are [num_blocks, block_size,
   * chapter 08/09/10, contiguous: one block per sequence slot, block_size = max_context, so a
     sequence's tokens sit back to back and the slot reserves its whole context up front;
   * chapter 11, paged: many small blocks (16 tokens) shared by all sequences through block tables.
-bf16 (uint16 bits) on the GPU, float32 on the CPU; allocated once, up front.
+bf16 (uint16 bits) on the GPU, float32 on the CPU; allocated once, up front, after checking that
+it fits in the memory there is (a typo in kv_cache_mib is a ValueError, not a machine that swaps).
 """
 from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import numpy as np
 
 from engine.backend import Backend, resolve_backend
 from engine.config import LlamaConfig
 
 
+def _count(name: str, value) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value <= 0:
+        raise ValueError(f"KV cache {name} must be an integer > 0, got {value!r}")
+    return int(value)
+
+
+def available_bytes(backend: Backend) -> int:
+    """Free device memory on the GPU; physical memory on the CPU."""
+    if backend.is_gpu:
+        return int(backend.xp.cuda.runtime.memGetInfo()[0])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class KVCache:
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, backend: Backend | str = "numpy"):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"KV cache needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        num_blocks, block_size = _count("num_blocks", num_blocks), _count("block_size", block_size)
         self.config, self.backend = config, resolve_backend(backend)
         self.num_blocks, self.block_size = num_blocks, block_size
         xp = self.backend.xp
         dtype = xp.uint16 if self.backend.is_gpu else xp.float32
         shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        wanted = 2 * math.prod(shape) * np.dtype(dtype).itemsize          # K and V
+        if wanted > available_bytes(self.backend):
+            raise ValueError(f"a KV cache of {num_blocks} x {block_size} tokens needs {wanted / 2**20:.0f} MiB, "
+                             f"more than the {available_bytes(self.backend) / 2**20:.0f} MiB available")
         self.k = xp.zeros(shape, dtype=dtype)      # [L, NB, BS, Hkv, D]
         self.v = xp.zeros(shape, dtype=dtype)
 
     @classmethod
-    def contiguous(cls, config: LlamaConfig, num_slots: int, max_context: int, backend="numpy") -> "KVCache":
+    def contiguous(cls, config: LlamaConfig, num_slots: int, max_context: int, backend="numpy") -> KVCache:
         """num_slots sequences of up to max_context tokens each (block table of a slot: [slot])."""
         return cls(config, num_slots, max_context, backend)
 
     @classmethod
-    def paged(cls, config: LlamaConfig, kv_cache_mib: float, page_size: int = 16, backend="numpy") -> "KVCache":
+    def paged(cls, config: LlamaConfig, kv_cache_mib: float, page_size: int = 16, backend="numpy") -> KVCache:
         """As many pages of page_size tokens as fit in kv_cache_mib (bf16 on the GPU, fp32 on CPU)."""
         b = resolve_backend(backend)
+        if not isinstance(kv_cache_mib, numbers.Real) or isinstance(kv_cache_mib, (bool, np.bool_)) \
+                or not math.isfinite(kv_cache_mib) or kv_cache_mib <= 0:
+            raise ValueError(f"kv_cache_mib must be a finite number > 0, got {kv_cache_mib!r}")
+        page_size = _count("page_size", page_size)
         per_page = config.kv_bytes_per_token(2 if b.is_gpu else 4) * page_size
         num_pages = int(kv_cache_mib * 2**20) // per_page
         if num_pages < 1:

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.backend import resolve_backend
-from engine.config import load_config
+from engine.config import check_serving_args, load_config
 from engine.engine_loop import BatchFailed, EngineLoop, RequestHandle
 from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, Model, load_model
+from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
 from engine.paged_kv import PageAllocator, SlotAllocator
 from engine.sampling import SamplingParams, sample, step_uniform
-from engine.scheduler import Scheduler
+from engine.scheduler import ADMISSIONS, Scheduler
 
 BATCHING = ("continuous", "static")
 KV_CACHES = ("paged", "contiguous")
@@ -54,26 +54,30 @@ class LLM:
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
                  admission: str = "conservative", page_size: int = 16):
-        if batching not in BATCHING:
-            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
-        if kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
-        if kv_cache_mib is not None and not kv_cache_mib > 0:
-            raise ValueError(f"kv_cache_mib must be > 0, got {kv_cache_mib!r}")
-        b = resolve_backend(backend)
+        # every argument is checked against config.json before a weight is read
+        for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
+                                     ("admission", admission, ADMISSIONS)):
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         model_dir = Path(model_dir)
         config = load_config(model_dir)
-        self.max_context = max_context or default_max_context(config.max_position_embeddings)
-        self.model: Model = load_model(model_dir, b, self.max_context)
-        self.config, self.backend = config, b
+        check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
+                           page_size=page_size, kv_cache_mib=kv_cache_mib)
+        b = resolve_backend(backend)
+        self.max_context = int(max_context) if max_context is not None else \
+            default_max_context(config.max_position_embeddings)
         self.tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
             from engine.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(model_dir)
+            check_vocab_fits(self.tokenizer, config)
+        self.model: Model = load_model(model_dir, b, self.max_context)
+        self.config, self.backend = config, b
         self.batching, self.kv_cache_kind, self.admission = batching, kv_cache, admission
-        self.max_seqs = max_seqs or (256 if b.is_gpu else 16)
-        self.max_batch_tokens = max(max_batch_tokens or (8192 if b.is_gpu else 2048), self.max_seqs)
-        self.page_size = page_size
+        self.max_seqs = int(max_seqs) if max_seqs is not None else (256 if b.is_gpu else 16)
+        self.max_batch_tokens = max(int(max_batch_tokens) if max_batch_tokens is not None else
+                                    (8192 if b.is_gpu else 2048), self.max_seqs)
+        self.page_size = int(page_size)
         self.cache = self._allocate_cache(kv_cache_mib)
         self.last_step_log: list[dict] = []
         self._engine = EngineLoop(self)
@@ -115,7 +119,9 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            self.model.validate_tokens(ids)       # the tokenizer's ids get the same check as ids passed in
+            return ids
         ids = list(prompt)
         self.model.validate_tokens(ids)
         return [int(t) for t in ids]
@@ -206,7 +212,8 @@ class LLM:
                               batch.slot_mapping, logits_rows=batch.last_token_indices)
             logits = self.model.forward(fb, self.cache)
             tokens = sample(logits, [row.params for row in batch.rows],
-                            [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows])
+                            [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows],
+                            labels=[f"request {row.request_id}, step {row.num_generated}" for row in batch.rows])
         except BaseException as exc:
             sched.fail(batch.batch_id)
             raise BatchFailed([row.request_id for row in batch.rows]) from exc

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from engine.backend import Backend, resolve_backend
-from engine.config import LlamaConfig, load_config
+from engine.config import ConfigError, LlamaConfig, check_serving_args, load_config
 from engine.kv_cache import KVCache
 from engine.ops.argmax import argmax_rows
 from engine.ops.attention import prefill_attention
-from engine.ops.embedding import embedding
+from engine.ops.embedding import check_ids, embedding
 from engine.ops.flash_attention import flash_attention, kernel_supports
 from engine.ops.linear import linear
 from engine.ops.mlp import swiglu
@@ -67,7 +67,7 @@ class ForwardBatch:
 
     @classmethod
     def single(cls, token_ids, start_pos: int = 0, block_table=None, block_size: int | None = None,
-               logits_rows=None) -> "ForwardBatch":
+               logits_rows=None) -> ForwardBatch:
         """One sequence; with a block table the tokens' slots are derived from it."""
         ids = np.asarray(token_ids, dtype=np.int32)
         pos = np.arange(start_pos, start_pos + len(ids), dtype=np.int32)
@@ -79,17 +79,41 @@ class ForwardBatch:
                    None if logits_rows is None else np.asarray(logits_rows, dtype=np.int32))
 
 
+def check_vocab_fits(tokenizer, config: LlamaConfig) -> None:
+    """Refuse a tokenizer that can produce ids the embedding table has no row for (an added token,
+    or a converted vocabulary longer than the model's). A shorter vocabulary is fine: many models
+    pad their embedding table."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(f"the tokenizer has token ids up to {tokenizer.vocab_size - 1}, but the model's "
+                          f"embedding table has {config.vocab_size} rows (config.json vocab_size): "
+                          "tokenizer.json does not belong to this model")
+
+
 class Model:
     """A loaded Llama-family model on one backend."""
 
+    ROPE_START = 4096    # positions in the first RoPE table when no max_context is given; grows on demand
+
     def __init__(self, config: LlamaConfig, weights, backend: Backend, max_context: int | None = None):
+        check_serving_args(config, max_context=max_context)
         self.config, self.weights, self.backend = config, weights, backend
-        self.max_context = int(max_context or config.max_position_embeddings)
-        cos, sin = rope_tables(config, self.max_context)          # [P, D/2] each, computed once
-        self.cos, self.sin = self._to_backend(cos), self._to_backend(sin)
+        self.max_context = int(max_context) if max_context is not None else config.max_position_embeddings
+        # RoPE tables cover the context in use: all of an explicit max_context (they never move, so a
+        # captured CUDA graph stays valid), else a first slice of max_position_embeddings, grown on demand.
+        self.rope_positions = 0
+        self._grow_rope(self.max_context if max_context is not None else min(self.max_context, self.ROPE_START))
 
     def _to_backend(self, host: np.ndarray):
         return self.backend.xp.asarray(host) if self.backend.is_gpu else host
+
+    def _grow_rope(self, positions: int) -> None:
+        """Make the cos/sin tables [P, D/2] cover positions 0..positions-1 (at least doubling)."""
+        if positions <= self.rope_positions:
+            return
+        size = min(self.max_context, max(positions, 2 * self.rope_positions))
+        cos, sin = rope_tables(self.config, size)
+        self.cos, self.sin = self._to_backend(cos), self._to_backend(sin)
+        self.rope_positions = size
 
     def validate_tokens(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids)
@@ -106,6 +130,9 @@ class Model:
         """Logits [R, V] (float32, on the backend's device) of batch.logits_rows (default: all)."""
         if batch.num_tokens and int(batch.positions.max()) >= self.max_context:
             raise ValueError(f"position {int(batch.positions.max())} is past the context of {self.max_context}")
+        if batch.num_tokens:
+            check_ids(batch.token_ids, self.config.vocab_size)    # host ids: no device traffic
+            self._grow_rope(int(batch.positions.max()) + 1)
         if cache is None and not batch.fresh:
             raise ValueError("without a KV cache every sequence must start at position 0")
         dev = self._to_backend                                     # host int32 -> device once per step
@@ -129,6 +156,8 @@ class Model:
         own K/V, and with `tables` (a chunk after a cached prefix) over the cache pages.
         """
         cfg, w = self.config, self.weights
+        if longest is not None:
+            self._grow_rope(longest)                               # host int: no device traffic
         attend = self._attention(cu_seqlens, pos, tables, seq_idx, longest)
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)

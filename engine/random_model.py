@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import config_from_dict, LlamaConfig
+from engine.config import LlamaConfig, config_from_dict
 from engine.safetensors import save_file
 from engine.weights import expected_shapes
 

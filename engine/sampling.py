@@ -5,6 +5,7 @@ GPU kernel in kernels_cu/sampling.cu reproduces. Temperature 0 means greedy (arg
 """
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -17,9 +18,29 @@ from engine.plugins import OVERRIDES, to_host
 SAMPLE_THREADS = 1024   # threads per row of kernels_cu/sampling.cu (passed to it as -DTHREADS)
 
 
+def _is_int(v) -> bool:
+    """Python or NumPy integers; never bools (True is not a count) and never floats (3.0 included:
+    one rule for every float, rather than accepting the integral ones and refusing 3.5)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+_INT32_MAX = 2**31 - 1
+_F32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+_MASK64 = (1 << 64) - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. Invalid values raise ValueError at construction."""
+    """How one request is decoded. Invalid values raise ValueError at construction.
+
+    Counts (max_new_tokens, top_k, seed) take any integer type, NumPy's included, and are stored as
+    Python ints; floats are refused even when integral (3.0). Numbers (temperature, top_p) take any
+    real type and are stored as Python floats. ignore_eos takes a bool (NumPy's included).
+    """
 
     max_new_tokens: int = 256
     temperature: float = 0.0   # 0 = greedy
@@ -31,34 +52,31 @@ class SamplingParams:
 
 
     def __post_init__(self):
-        def is_int(v):      # Python or NumPy integers, never bools
-            return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, (bool, np.bool_)) \
-                or not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, numbers.Real) or isinstance(self.top_p, (bool, np.bool_)) \
-                or not 0.0 < self.top_p <= 1.0:
+        # the samplers divide by temperature in float32: a positive value must stay positive and finite there
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) \
+                or not (self.temperature == 0 or _F32_NORMAL[0] <= self.temperature <= _F32_NORMAL[1]):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{_F32_NORMAL[0]:.3g}, {_F32_NORMAL[1]:.3g}], "
+                             f"got {self.temperature!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}] (0 disables it), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MASK64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         # One string or a list of them, as in OpenAI's `stop`; stored as a tuple (the dataclass is frozen).
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        object.__setattr__(self, "stop", tuple(stop))
-        # NumPy scalars pass the checks above; store plain Python numbers so that nothing downstream
-        # (the scheduler's int checks, the seed arithmetic, JSON) meets a fixed-width type.
-        for name, cast in (("max_new_tokens", int), ("temperature", float), ("top_k", int), ("top_p", float)):
-            object.__setattr__(self, name, cast(getattr(self, name)))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
+        normalized = {"max_new_tokens": int(self.max_new_tokens), "temperature": float(self.temperature),
+                      "top_k": int(self.top_k), "top_p": float(self.top_p),
+                      "seed": None if self.seed is None else int(self.seed), "ignore_eos": bool(self.ignore_eos),
+                      "stop": tuple(stop)}
+        for name, value in normalized.items():      # plain Python values from here on
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -68,8 +86,6 @@ class SamplingParams:
 # ----------------------------------------------------------------------------------------------
 # The draw: one uniform number per (request, step), from the request's seed
 # ----------------------------------------------------------------------------------------------
-_MASK64 = (1 << 64) - 1
-
 
 def step_uniform(seed: int, step: int) -> float:
     """A uniform in [0, 1) that depends only on (seed, step): splitmix64 of the pair.
@@ -123,11 +139,30 @@ def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     return i if i < p.size and keep[i] else int(np.flatnonzero(keep)[-1])
 
 
-def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.ndarray:
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or an infinity: nothing can be sampled from that row."""
+
+
+def check_finite_rows(finite, labels=None) -> None:
+    """Raise NonFiniteLogitsError naming every row whose logits were not all finite.
+
+    finite: [R] bool on the host; labels: what to call each row (e.g. "request 3, step 7").
+    """
+    bad = np.flatnonzero(~np.asarray(finite, dtype=bool))
+    if bad.size:
+        names = [labels[r] if labels is not None else f"row {r}" for r in bad[:5]]
+        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) for {'; '.join(names)}"
+                                   f"{' and more' if bad.size > 5 else ''}: the model's numbers overflowed, or it "
+                                   "was fed a token id it has no embedding for")
+
+
+def sample(logits, params: list[SamplingParams], uniforms: list[float], labels: list[str] | None = None) -> np.ndarray:
     """One token per row of logits [R, V] -> int32 [R] on the host.
 
-    On the GPU only the R sampled ids cross to the host (argmax kernel when every row is greedy,
-    the sampling kernel otherwise).
+    A row with NaN or inf raises NonFiniteLogitsError (naming it by `labels`): greedy would pick an
+    arbitrary id and sampling the last one. On the GPU only the R sampled ids and R finite flags
+    cross to the host, in one copy (argmax kernel when every row is greedy, the sampling kernel
+    otherwise).
     """
     R = len(params)
     plug = OVERRIDES.get("sampling")             # your stage (engine/plugins.py), if one is active
@@ -137,17 +172,22 @@ def sample(logits, params: list[SamplingParams], uniforms: list[float]) -> np.nd
             plug.require_function()
             draw = plug.fn
         rows = to_host(logits)
+        check_finite_rows(np.isfinite(rows).all(axis=1), labels)
         return np.array([int(draw(rows[r], p.temperature, p.top_k, p.top_p, u))
                          for r, (p, u) in enumerate(zip(params, uniforms, strict=True))], dtype=np.int32)
     import cupy as cp
     if plug is None and all(p.greedy for p in params):
-        return cp.asnumpy(argmax_rows(logits))
-    V = logits.shape[1]
-    knobs = [cp.asarray(np.array(v, dtype=dt)) for v, dt in (
-        ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
-        ([p.top_p for p in params], np.float32), (uniforms, np.float32))]
-    out = cp.empty(R, dtype=cp.int32)
-    defines = {"THREADS": SAMPLE_THREADS}
-    kernel = plug.kernel(**defines) if plug is not None else load_kernel("sampling", "sample_rows", **defines)
-    kernel((R,), (SAMPLE_THREADS,), (logits, *knobs, out, np.int32(V)))
-    return cp.asnumpy(out)
+        tokens = argmax_rows(logits)
+    else:
+        V = logits.shape[1]
+        knobs = [cp.asarray(np.array(v, dtype=dt)) for v, dt in (
+            ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
+            ([p.top_p for p in params], np.float32), (uniforms, np.float32))]
+        tokens = cp.empty(R, dtype=cp.int32)
+        defines = {"THREADS": SAMPLE_THREADS}
+        kernel = plug.kernel(**defines) if plug is not None else load_kernel("sampling", "sample_rows", **defines)
+        kernel((R,), (SAMPLE_THREADS,), (logits, *knobs, tokens, np.int32(V)))
+    finite = cp.isfinite(logits).all(axis=1).astype(cp.int32)                  # [R]
+    host = cp.asnumpy(cp.stack([tokens.astype(cp.int32, copy=False), finite]))  # [2, R]: one copy
+    check_finite_rows(host[1].astype(bool), labels)
+    return host[0]

@@ -7,15 +7,21 @@ gate/up are fused into one matrix each here, once, so each is a single GEMM at r
 CPU backend: float32 arrays (bf16 -> fp32 is exact). GPU backend: matrices stay bf16 on the device
 (uint16 bits, copied straight from the file mapping into their slice of the fused matrix); the
 small norm vectors are fp32.
+
+Checked before anything large is allocated: the layer count and every tensor shape against
+config.json (a config claiming 10**8 layers fails on the first comparison, not after allocating),
+and the embedding tying. Checked while loading, for the price of two max() passes per tensor: no
+weight is NaN or infinite (the error names the tensor).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.backend import Backend
-from engine.config import ConfigError, LlamaConfig
+from engine.config import ConfigError, LlamaConfig, ModelShape, model_shape
 from engine.safetensors import Checkpoint, open_checkpoint
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -43,8 +49,14 @@ def layer_prefix(i: int) -> str:
     return f"model.layers.{i}."
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape, for every tensor a Llama checkpoint must hold."""
+def expected_shapes(config: ModelShape | dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor a Llama checkpoint must hold.
+
+    The one rule for both the loader and the GGUF converter (which passes the config.json dict it
+    is about to write).
+    """
+    if isinstance(config, dict):
+        config = model_shape(config)
     H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not config.tie_word_embeddings:
@@ -65,19 +77,53 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _ignorable(name: str, config: LlamaConfig) -> bool:
-    """Tensors some exporters add that carry nothing new: rotary buffers (recomputed from the
-    config) and a copy of the embedding under lm_head when the embeddings are tied."""
-    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d{1,12})\.")
+
+
+def checkpoint_layer_count(names) -> int:
+    """1 + the highest layer index among the tensor names (0 without layers)."""
+    indices = [int(m.group(1)) for m in map(_LAYER_NAME.match, names) if m]
+    return max(indices) + 1 if indices else 0
+
+
+def _ignorable(name: str) -> bool:
+    """Rotary buffers some exporters add: recomputed from the config."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def _check_tying(ckpt: Checkpoint, config: LlamaConfig) -> None:
+    """tie_word_embeddings must describe the checkpoint: tied means no lm_head or an exact copy of
+    the embedding (some exporters write one); untied means an lm_head of its own."""
+    has_head = "lm_head.weight" in ckpt
+    if not config.tie_word_embeddings and not has_head:
+        raise ConfigError(f"{ckpt.path}: config.json says tie_word_embeddings=false but the checkpoint has no "
+                          "lm_head.weight")
+    if config.tie_word_embeddings and has_head:
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        same = (tuple(ckpt.shape(head)) == tuple(ckpt.shape(embed)) and ckpt.dtype(head) == ckpt.dtype(embed)
+                and np.array_equal(ckpt.raw(head).view(np.uint8), ckpt.raw(embed).view(np.uint8)))
+        if not same:
+            raise ConfigError(f"{ckpt.path}: config.json says tie_word_embeddings=true but lm_head.weight is not "
+                              "a copy of model.embed_tokens.weight")
 
 
 def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
-    """Raise ConfigError unless the checkpoint holds exactly the tensors the config implies."""
+    """Raise ConfigError unless the checkpoint holds exactly the tensors the config implies.
+
+    Cheap checks first: the layer count is compared before the expected names are listed, so an
+    absurd num_hidden_layers costs nothing.
+    """
+    layers = checkpoint_layer_count(ckpt.keys())
+    if layers != config.num_hidden_layers:
+        raise ConfigError(f"{ckpt.path}: config.json says num_hidden_layers={config.num_hidden_layers}, "
+                          f"the checkpoint holds {layers} layer(s)")
+    _check_tying(ckpt, config)
     expected = expected_shapes(config)
     missing = [n for n in expected if n not in ckpt]
     if missing:
         raise ConfigError(f"{ckpt.path}: {len(missing)} expected tensor(s) missing, e.g. {missing[:3]}")
-    unexpected = [n for n in ckpt.keys() if n not in expected and not _ignorable(n, config)]
+    unexpected = [n for n in ckpt.keys() if n not in expected and not _ignorable(n)
+                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     if unexpected:
         raise ConfigError(f"{ckpt.path}: unexpected tensor(s) {unexpected[:3]} for this config")
     for name, shape in expected.items():
@@ -87,6 +133,27 @@ def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
         if ckpt.dtype(name) not in FLOAT_DTYPES:
             raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; weights must be "
                               f"one of {FLOAT_DTYPES}")
+
+
+class NonFiniteWeightsError(ConfigError):
+    """A weight tensor holds NaN or an infinity: the model would produce non-finite logits."""
+
+
+def check_finite(name: str, host: np.ndarray) -> None:
+    """Refuse a tensor with NaN/inf: two max() passes, no temporaries.
+
+    float32: NaN propagates through min/max and an infinity is the min or the max.
+    bf16 bits (uint16): non-finite means exponent all ones, i.e. bits in [0x7F80, 0x7FFF] (positive;
+    the largest values as int16) or [0xFF80, 0xFFFF] (negative; the largest as uint16).
+    """
+    if host.size == 0:
+        return
+    if host.dtype == np.uint16:
+        bad = int(host.max()) >= 0xFF80 or int(host.view(np.int16).max()) >= 0x7F80
+    else:
+        bad = not (np.isfinite(host.min()) and np.isfinite(host.max()))
+    if bad:
+        raise NonFiniteWeightsError(f"tensor {name!r} holds NaN or infinite values")
 
 
 class _Loader:
@@ -99,6 +166,8 @@ class _Loader:
     def matrix(self, *names: str):
         """Stack the named [rows_i, cols] matrices along rows (one name: the matrix itself)."""
         parts = [self.ckpt.get_bf16_bits(n) if self.gpu else self.ckpt.get_tensor(n) for n in names]
+        for n, p in zip(names, parts, strict=True):
+            check_finite(n, p)
         rows = sum(p.shape[0] for p in parts)
         out = self.xp.empty((rows, parts[0].shape[1]), dtype=self.xp.uint16 if self.gpu else self.xp.float32)
         r = 0
@@ -111,9 +180,9 @@ class _Loader:
         return out
 
     def vector(self, name: str):
-        if self.gpu:
-            return self.ckpt.to_device(name, "f32")
-        return np.array(self.ckpt.get_tensor(name), dtype=np.float32)
+        host = np.array(self.ckpt.get_tensor(name), dtype=np.float32)     # [H]: small
+        check_finite(name, host)
+        return self.xp.asarray(host) if self.gpu else host
 
 
 def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
@@ -125,7 +194,8 @@ def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
             p = layer_prefix(i)
             layers.append(LayerWeights(
                 input_norm=ld.vector(p + "input_layernorm.weight"),
-                qkv=ld.matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                qkv=ld.matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                              p + "self_attn.v_proj.weight"),
                 o=ld.matrix(p + "self_attn.o_proj.weight"),
                 post_norm=ld.vector(p + "post_attention_layernorm.weight"),
                 gate_up=ld.matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),

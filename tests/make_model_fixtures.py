@@ -1,10 +1,12 @@
 """Write the whole-model oracle fixtures: transformers' fp32 CPU logits of tiny random Llama models.
 
-    pip install torch==2.13.0 transformers
+    pip install -e ".[oracle]"        # torch + transformers (CPU is enough)
     python tests/make_model_fixtures.py
 
-For every config below it writes the random model directory (engine.random_model, fixed seed), runs
-transformers on fixed token ids and stores, in tests/fixtures/:
+Configs come in both layouts: the older one (top-level rope_theta / rope_scaling) and the current
+one, which is the config.json that transformers itself writes (`rope_parameters`), produced here by
+transformers.LlamaConfig(...).save_pretrained. For every config it writes the random model directory
+(engine.random_model, fixed seed), runs transformers on fixed token ids and stores, in tests/fixtures/:
     model_oracle_<name>.npz     token_ids int32 [T], logits float32 [T, V]
     model_oracle_index.json     per config: the config dict, seed, dtype, sha256 of model.safetensors
     model_oracle_bf16_torch.npz float32 bit patterns and torch's bf16 bits (non-NaN inputs)
@@ -12,6 +14,7 @@ tests/test_model_oracle.py rebuilds each directory, checks its hash, and holds t
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import tempfile
@@ -22,8 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine.random_model import PRESETS, write_random_model  # noqa: E402
 from oracle_helpers import FIXTURES, GEN_CONFIG, hf_logits, sha256_file  # noqa: E402
+
+from engine.random_model import PRESETS, write_random_model  # noqa: E402
 
 # name -> (config dict, dtype on disk, number of tokens). Together: tied and untied embeddings,
 # MHA / GQA 3 / GQA 4 / MQA, head_dim != hidden / heads, llama3 scaling (positions past the original
@@ -48,6 +52,8 @@ ORACLE_CONFIGS = {
                                "max_position_embeddings": 64},
                               "BF16", 33),
 }
+# name -> the older-layout config above it is rewritten from, by transformers, into the current layout
+CURRENT_LAYOUT = {"tiny-rope-parameters": "tiny", "theta-rope-parameters": "mha-wide-head-noscale"}
 SEED = 1234
 INDEX = FIXTURES / "model_oracle_index.json"
 BF16_FIXTURE = FIXTURES / "model_oracle_bf16_torch.npz"
@@ -80,6 +86,24 @@ def bf16_inputs(rng) -> np.ndarray:
     return bits[~np.isnan(bits.view(np.float32))]
 
 
+def transformers_written(config: dict) -> dict:
+    """The config.json transformers writes for this model (current layout: rope_parameters)."""
+    import transformers
+    with tempfile.TemporaryDirectory() as tmp:
+        transformers.LlamaConfig(**copy.deepcopy(config)).save_pretrained(tmp)   # it edits nested dicts in place
+        written = json.loads((Path(tmp) / "config.json").read_text())
+    assert "rope_parameters" in written and "rope_theta" not in written and "rope_scaling" not in written, written
+    return written
+
+
+def all_configs() -> dict:
+    configs = dict(ORACLE_CONFIGS)
+    for name, source in CURRENT_LAYOUT.items():
+        config, dtype, n = ORACLE_CONFIGS[source]
+        configs[name] = (transformers_written(config), dtype, n)
+    return configs
+
+
 def main() -> None:
     import torch
     import transformers
@@ -87,7 +111,7 @@ def main() -> None:
     index = {"generated_with": {"torch": torch.__version__, "transformers": transformers.__version__},
              "seed": SEED, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (config, dtype, n) in ORACLE_CONFIGS.items():
+        for name, (config, dtype, n) in all_configs().items():
             model_dir = write_random_model(Path(tmp) / name, config, seed=SEED, dtype=dtype)
             ids = token_ids_for(name, config["vocab_size"], n)
             logits = hf_logits(model_dir, ids.tolist()).astype(np.float32)

@@ -40,6 +40,11 @@ def _find_nvrtc():
     for c in candidates:
         if c and "builtins" not in c:
             try:
+                # a pip wheel's libnvrtc (e.g. torch's nvidia/cu13) finds its builtins library only if
+                # it is already loaded: it is not on the loader's search path
+                for builtins in glob.glob(os.path.join(os.path.dirname(c), "libnvrtc-builtins.so.*")):
+                    if ".alt." not in builtins:
+                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
                 return ctypes.CDLL(c)
             except OSError:
                 continue

@@ -11,10 +11,10 @@ import json
 
 import numpy as np
 import pytest
-
-from engine.model import load_model
-from engine.random_model import write_random_model
 from oracle_helpers import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
+
+from engine.model import Model, load_model
+from engine.random_model import write_random_model
 
 INDEX = json.loads((FIXTURES / "model_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
@@ -46,15 +46,39 @@ def check_logits(logits: np.ndarray, ref: np.ndarray, what: str) -> None:
     assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
 
 
+def rope_of(config: dict) -> dict:
+    """The rope settings of either layout (older: top-level keys; current: rope_parameters)."""
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
 def test_fixtures_cover_the_required_shapes():
-    """Tied and untied, MHA / GQA / MQA, head_dim != hidden/heads, llama3 scaling and none."""
+    """Tied and untied, MHA / GQA / MQA, head_dim != hidden/heads, llama3 scaling and none, both
+    config layouts (and the current one exactly as transformers writes it)."""
     configs = [INDEX["models"][n]["config"] for n in NAMES]
     ratios = {c["num_attention_heads"] // c.get("num_key_value_heads", c["num_attention_heads"]) for c in configs}
     assert {1, 3, 4} <= ratios and any(c.get("num_key_value_heads") == 1 for c in configs)
     assert {c["tie_word_embeddings"] for c in configs} == {True, False}
     assert any(c.get("head_dim", 0) * c["num_attention_heads"] != c["hidden_size"] for c in configs)
-    assert any(c.get("rope_scaling") for c in configs) and any(not c.get("rope_scaling") for c in configs)
+    kinds = {rope_of(c).get("rope_type", "default") for c in configs}
+    assert kinds == {"default", "llama3"}
+    current = [c for c in configs if "rope_parameters" in c]
+    older = [c for c in configs if "rope_parameters" not in c]
+    assert {rope_of(c).get("rope_type", "default") for c in current} == {"default", "llama3"} and older
+    assert all("transformers_version" in c and "rope_theta" not in c for c in current)
+    assert any(rope_of(c).get("rope_theta", 10000.0) != 10000.0 for c in current)
     assert {INDEX["models"][n]["dtype"] for n in NAMES} == {"BF16", "F32"}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "rope_parameters" in INDEX["models"][n]["config"]])
+def test_current_layout_theta_is_read(rebuilt, name):
+    """The fixture would catch an engine that ignores rope_parameters and runs with theta 10000."""
+    from dataclasses import replace
+    model_dir, ids, ref = rebuilt(name)
+    model = load_model(model_dir, backend="numpy")
+    assert model.config.rope_theta == rope_of(INDEX["models"][name]["config"])["rope_theta"]
+    if model.config.rope_theta != 10000.0:
+        wrong = Model(replace(model.config, rope_theta=10000.0), model.weights, model.backend)
+        assert relative_error(wrong.logits(ids.tolist()), ref) > 10 * REL_TOL
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -17,13 +17,14 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle_helpers import gen_model_dir, greedy_no_cache, needs_transformers
 
 from engine.generate import ChatSession
 from engine.llm import LLM
 from engine.model import load_model
 from engine.sampling import SamplingParams, keep_mask, sample, sample_ref, step_uniform
-from oracle_helpers import gen_model_dir, greedy_no_cache, needs_transformers
 
 MAX_CONTEXT = 64
 
@@ -53,6 +54,27 @@ def test_invalid_sampling_params_raise_value_error(kwargs):
 def test_valid_sampling_params(kwargs):
     params = SamplingParams(**kwargs)
     assert params.greedy == (params.temperature == 0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_new_tokens": 3.0}, {"max_new_tokens": np.float64(3.0)}, {"top_k": 5.0}, {"seed": 7.0},
+    {"max_new_tokens": np.bool_(True)}, {"top_k": np.bool_(False)}, {"seed": np.True_},
+    {"top_k": 2**31}, {"seed": 2**64}, {"temperature": 1e-300}, {"temperature": 1e300},
+    {"temperature": np.float64("nan")}, {"top_p": np.float32("nan")}, {"ignore_eos": np.int64(1)},
+], ids=repr)
+def test_floats_and_bools_are_never_counts(kwargs):
+    """Counts take integers only: 3.0 is refused like 3.5 (one rule, not a judgement per value)."""
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_values_are_accepted_and_stored_as_python_values():
+    p = SamplingParams(max_new_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.uint8(3),
+                       top_p=np.float16(0.5), seed=np.uint64(2**64 - 1), ignore_eos=np.bool_(True))
+    assert p == SamplingParams(max_new_tokens=5, temperature=0.5, top_k=3, top_p=0.5, seed=2**64 - 1, ignore_eos=True)
+    assert [type(v) for v in (p.max_new_tokens, p.temperature, p.top_k, p.top_p, p.seed, p.ignore_eos)] == \
+        [int, float, int, float, int, bool]
+    step_uniform(p.seed, 3)                       # a NumPy seed would overflow the 64-bit mixing
 
 
 def test_defaults_match_the_public_contract():
@@ -193,7 +215,7 @@ def test_sample_mixes_greedy_and_sampled_rows():
     out = sample(logits, params, uniforms)
     assert out.dtype == np.int32
     assert out.tolist() == [sample_ref(logits[r], p.temperature, p.top_k, p.top_p, u)
-                            for r, (p, u) in enumerate(zip(params, uniforms))]
+                            for r, (p, u) in enumerate(zip(params, uniforms, strict=True))]
     assert out[0] == np.argmax(logits[0]) and out[3] == np.argmax(logits[3])
 
 

@@ -1,4 +1,10 @@
-"""Chapter 03: embedding gather, token ids -> rows of the embedding table."""
+"""Chapter 03: embedding gather, token ids -> rows of the embedding table.
+
+An id outside [0, V) has no row. Ids that come from the host are refused here with a ValueError;
+ids already on the GPU cannot be read without a sync, so the kernel never reads out of bounds and
+fills such a token's row with NaN instead: the non-finite logits it leads to are refused by the
+sampler (engine/sampling.py), naming the request and the step.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +13,17 @@ from engine.backend import is_device_array, load_kernel
 from engine.plugins import OVERRIDES, run_function
 
 
+def check_ids(ids, vocab_size: int) -> None:
+    """Raise ValueError unless every id has a row in a table of vocab_size rows."""
+    ids = np.asarray(ids)
+    if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be integers in [0, {vocab_size}), got {ids.dtype} "
+                         f"min {ids.min()} max {ids.max()}")
+
+
 def embedding_ref(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """ids [T] int, table [V, H] -> [T, H] float32 (a row lookup, nothing more)."""
+    check_ids(ids, table.shape[0])          # NumPy would wrap -1 to the last row silently
     return table[np.asarray(ids)].astype(np.float32, copy=False)
 
 
@@ -22,10 +37,14 @@ def embedding(ids, table):
             plug.require_function()
         return embedding_ref(ids, table)
     import cupy as cp
+    if not is_device_array(ids):
+        check_ids(ids, table.shape[0])
     ids = cp.asarray(ids, dtype=cp.int32)              # [T]
-    T, H = ids.shape[0], table.shape[1]
+    T, (V, H) = ids.shape[0], table.shape
     out = cp.empty((T, H), dtype=cp.float32)          # [T, H]
     if T:
-        kernel = plug.kernel() if plug is not None else load_kernel("embedding", "embedding_gather")
-        kernel((T,), (128,), (ids, table, out, np.int32(H)))
+        if plug is not None:     # your kernel: the chapter 03 signature (ids were checked on the host)
+            plug.kernel()((T,), (128,), (ids, table, out, np.int32(H)))
+        else:                    # the engine's kernel also bounds-checks ids that never left the device
+            load_kernel("embedding", "embedding_gather")((T,), (128,), (ids, table, out, np.int32(V), np.int32(H)))
     return out

@@ -2,10 +2,11 @@
 
 A head vector x of size D is split in halves (x1, x2); pair i rotates by the angle pos * inv_freq[i]:
     y1 = x1 * cos - x2 * sin,    y2 = x2 * cos + x1 * sin.
-The cos/sin tables are computed once for every position the model can see, in float32 the way
-transformers does (NumPy's and torch's float32 pow can differ by an ulp for some frequencies), and
-both backends rotate by the same tables. Positions are always passed in
-explicitly: a decode step or a packed batch mixes tokens at many absolute positions.
+The cos/sin tables are computed once for the context in use (the model's max_context, never the
+config's max_position_embeddings, which can be 10**7), in float32 the way transformers does
+(NumPy's and torch's float32 pow can differ by an ulp for some frequencies), and both backends
+rotate by the same tables. Positions are always passed in explicitly: a decode step or a packed
+batch mixes tokens at many absolute positions.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
     """[D/2] float32 inverse frequencies, with Llama 3 scaling when the config asks for it."""
     D = config.head_dim
-    inv_freq = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))).astype(np.float32)
+    exponents = np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D                 # [D/2]
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
     rs = config.rope_scaling
     if rs is None:
         return inv_freq
@@ -39,6 +41,8 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
 
 def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: [max_positions, D/2] float32, angle = position * inv_freq (float32 product)."""
+    if isinstance(max_positions, bool) or not isinstance(max_positions, (int, np.integer)) or max_positions < 1:
+        raise ValueError(f"max_positions must be an integer >= 1, got {max_positions!r}")
     positions = np.arange(max_positions, dtype=np.float32)[:, None]     # [P, 1]
     angles = positions * rope_inv_freq(config)[None, :]                 # [P, D/2]
     return np.cos(angles), np.sin(angles)
