@@ -109,7 +109,8 @@ class RemoteChat:
                     continue                      # e.g. a usage-only chunk
                 yield (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason")
 
-    def answer(self, text: str, out=sys.stdout, notices=sys.stderr) -> TurnStats:
+    def answer(self, text: str, out=None, notices=None) -> TurnStats:
+        out, notices = out or sys.stdout, notices or sys.stderr
         history = list(self.conversation.messages)
         while True:
             messages = self.conversation.render(text, history)
