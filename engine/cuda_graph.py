@@ -5,7 +5,8 @@ Python, their launch overhead (~20 us each) costs more than the GPU work itself 
 reads at full bandwidth). A CUDA graph records the whole sequence of launches once; a replay
 submits all of them with one call. What makes that possible:
 
-  * every input lives in a fixed device buffer (token, position, slot), updated before each replay;
+  * every input lives in a fixed device buffer (token, position, slot, block table), updated before
+    each replay;
   * Model.run does no host<->device traffic, and the attention kernel's context split is fixed
     (sized for max_context; slices past a sequence's length are simply empty);
   * every intermediate array comes from a private memory pool that nothing else allocates from,
@@ -20,22 +21,26 @@ from engine.model import Model
 
 
 class DecodeGraph:
-    """Replays the decode step of sequence slot 0 of `cache` (a contiguous cache: one block).
+    """Replays the decode step of one sequence whose cache blocks are `block_table`.
 
+    A contiguous cache (chapter 08's ChatSession) passes nothing: its one sequence owns block 0. A
+    paged cache (the engine loop decoding a single sequence) passes the sequence's page table, which
+    may change from call to call; the captured table buffer is as wide as max_context needs.
     Built on the first real decode step: the warm-up run that sizes the memory pool IS that step
     (it writes the right K/V at the right position), then the capture records it without running.
     """
 
-    def __init__(self, model: Model, cache: KVCache, token: int, position: int):
+    def __init__(self, model: Model, cache: KVCache, token: int, position: int, block_table=(0,)):
         import cupy as cp
         self.cp, self.model, self.cache = cp, model, cache
-        self.inputs = cp.zeros(3, dtype=cp.int32)               # [token, position, slot]
-        self.host = np.zeros(3, dtype=np.int32)
-        self.tables = cp.zeros((1, 1), dtype=cp.int32)          # block table [[0]]
+        width = -(-model.max_context // cache.block_size)       # blocks that cover max_context
+        self.host = np.zeros(3 + width, dtype=np.int32)         # [token, position, slot, table...]
+        self.inputs = cp.zeros(3 + width, dtype=cp.int32)
+        self.tables = self.inputs[3:].reshape(1, width)         # [1, width] block table (a view)
         self.seq_idx = cp.zeros(1, dtype=cp.int32)
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self._set_inputs(token, position)
+        self._set_inputs(token, position, block_table)
         with cp.cuda.using_allocator(self.pool.malloc), self.stream:
             self._step()                                       # warm-up: compiles, sizes the pool
             self.stream.synchronize()
@@ -43,8 +48,13 @@ class DecodeGraph:
             self.logits = self._step()                         # [1, V] fp32, rewritten by each replay
             self.graph = self.stream.end_capture()
 
-    def _set_inputs(self, token: int, position: int) -> None:
-        self.host[:] = (token, position, position)             # slot = position: one block of max_context
+    def _set_inputs(self, token: int, position: int, block_table) -> None:
+        size = self.cache.block_size
+        if len(block_table) > self.tables.shape[1] or position // size >= len(block_table):
+            raise ValueError(f"block table of {len(block_table)} blocks does not cover position {position}")
+        self.host[3:] = 0                                      # past the context: never read
+        self.host[3:3 + len(block_table)] = block_table
+        self.host[:3] = (token, position, block_table[position // size] * size + position % size)
         self.inputs.set(self.host, stream=self.stream)
 
     def _step(self):
@@ -52,9 +62,9 @@ class DecodeGraph:
         return self.model.run(ids, pos, None, self.cache, slots=slots, tables=self.tables,
                               seq_idx=self.seq_idx, longest=self.model.max_context)
 
-    def __call__(self, token: int, position: int):
+    def __call__(self, token: int, position: int, block_table=(0,)):
         """Logits [1, V] of `token` fed at `position` (its K/V written into the cache)."""
-        self._set_inputs(token, position)
+        self._set_inputs(token, position, block_table)
         self.graph.launch(self.stream)
         self.stream.synchronize()
         return self.logits

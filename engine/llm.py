@@ -77,6 +77,9 @@ class LLM:
         self.cache = self._allocate_cache(kv_cache_mib)
         self.last_step_log: list[dict] = []
         self._engine = EngineLoop(self)
+        # GPU: a decode step of a single sequence (a chat, a lone request) replays a CUDA graph.
+        self.use_cuda_graph = b.is_gpu
+        self._decode_graph = None
 
     # ---- memory ------------------------------------------------------------------------------
     def _default_kv_mib(self) -> float:
@@ -194,6 +197,14 @@ class LLM:
             except BatchFailed as failed:
                 raise failed.__cause__ from None
 
+    def _graph_decode(self, row):
+        """Logits [1, V] of one sequence's decode step through the captured CUDA graph."""
+        token, position = row.token_ids[0], row.start_pos
+        if self._decode_graph is None:
+            from engine.cuda_graph import DecodeGraph
+            self._decode_graph = DecodeGraph(self.model, self.cache, token, position, row.block_table)
+        return self._decode_graph(token, position, row.block_table)
+
     def _step(self, sched: Scheduler, seeds: dict[int, int]):
         """schedule -> forward -> sample -> complete. (batch, sampled tokens), or None when there was
         nothing to run; a failed forward pass is undone (sched.fail) and raised as BatchFailed."""
@@ -202,9 +213,12 @@ class LLM:
             return None
         t0 = time.perf_counter()
         try:
-            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
-                              batch.slot_mapping, logits_rows=batch.last_token_indices)
-            logits = self.model.forward(fb, self.cache)
+            if self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
+                logits = self._graph_decode(batch.rows[0])
+            else:
+                fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
+                                  batch.slot_mapping, logits_rows=batch.last_token_indices)
+                logits = self.model.forward(fb, self.cache)
             tokens = sample(logits, [row.params for row in batch.rows],
                             [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows])
         except BaseException as exc:
