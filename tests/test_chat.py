@@ -105,3 +105,21 @@ def test_the_next_turn_reuses_the_cache_and_answers_like_a_fresh_chat(default_mo
     fresh_out = io.StringIO()
     fresh.answer("And the capital of Italy?", out=fresh_out)
     assert fresh.messages[-1] == chat.messages[-1]
+
+
+def test_prefill_progress_line_on_a_terminal():
+    from engine.chat import Prefilling
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term, pipe = Terminal(), io.StringIO()
+    for out in (term, pipe):
+        progress = Prefilling(out, 3000, tokens_per_second=500.0)
+        progress.tick()                       # under a second: nothing yet
+        progress.t0 -= 3.0
+        progress.tick()
+        progress.clear()
+    assert "(reading 3000 prompt tokens: 3 s, ~50%)" in term.getvalue() and term.getvalue().endswith("\r")
+    assert pipe.getvalue() == ""              # not a terminal: no carriage-return noise in logs
