@@ -9,6 +9,9 @@ ceiling (copy bandwidth). Scenarios:
   decode   batch 1: --prompt-len prompt, --new-tokens generated; decode tok/s, achieved bandwidth
   serve    --requests requests with prompt and output lengths uniform in [--min-len, --max-len]
            (seeded, ignore_eos): output tok/s for each batching x cache mode, concurrency
+  serve-http  the same workload sent at once over HTTP to `python -m engine.serve` (streaming, one
+           client process), against LLM.generate in the same run: throughput ratio, time to first
+           token p50/p99 (engine/bench_http.py)
 
     python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario prefill decode --hf
     python -m engine.bench --backend numpy --scenario decode --prompt-len 128 --new-tokens 128 --hf
@@ -28,7 +31,7 @@ import numpy as np
 from engine.backend import BACKENDS, resolve_backend
 from engine.config import load_config
 
-SCENARIOS = ("parity", "prefill", "decode", "serve")
+SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-http")
 
 
 def emit(record: dict) -> None:
@@ -210,14 +213,19 @@ def scenario_decode(args, setup, model, hf, ceiling_gbps):
     emit(rec)
 
 
+def serve_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """--requests prompts (token ids) and output lengths, both uniform in [--min-len, --max-len], seeded."""
+    rng = np.random.default_rng(args.seed)
+    prompts = [random_prompt(rng, int(rng.integers(args.min_len, args.max_len + 1)), vocab_size)
+               for _ in range(args.requests)]
+    outs = [int(rng.integers(args.min_len, args.max_len + 1)) for _ in range(args.requests)]
+    return prompts, outs
+
+
 def scenario_serve(args, setup, model_dir, backend, hf):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
-    cfg = load_config(model_dir)
-    rng = np.random.default_rng(args.seed)
-    prompts = [random_prompt(rng, int(rng.integers(args.min_len, args.max_len + 1)), cfg.vocab_size)
-               for _ in range(args.requests)]
-    outs = [int(rng.integers(args.min_len, args.max_len + 1)) for _ in range(args.requests)]
+    prompts, outs = serve_workload(args, load_config(model_dir).vocab_size)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs]
     useful = sum(outs)
     base = {**setup, "scenario": "serve", "requests": args.requests, "len_range": [args.min_len, args.max_len],
@@ -315,6 +323,9 @@ def main(argv=None) -> int:
     if "serve" in args.scenario:
         del model
         scenario_serve(args, setup, model_dir, backend, hf)
+    if "serve-http" in args.scenario:
+        from engine.bench_http import scenario_serve_http
+        scenario_serve_http(args, setup, model_dir, backend)
     return 0
 
 

@@ -9,7 +9,10 @@ thread runs the loop while there is work and sleeps on a condition variable when
     -> hand every request its new token (and text) -> repeat
 
 Every new request joins the running batch at the next step; a cancelled one leaves at the next step
-boundary with its pages freed. A forward pass that raises fails the requests of that batch with the
+boundary with its pages freed. Stop strings (SamplingParams.stop) are checked here, on the text the
+detokenizer produces: the scheduler sees only token ids, so when a request's text reaches one of its
+stop strings the loop ends it (finish_reason "stop", pages freed) and its text ends before the string.
+A forward pass that raises fails the requests of that batch with the
 exception (their handles re-raise it) and the engine carries on with the others. `LLM.generate`,
 the chat and the HTTP server all go through this loop: nothing else writes the cache.
 
@@ -27,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from engine.sampling import resolve_seed
+from engine.stop_strings import StopStringMatcher
 
 RECENT_REQUESTS = 256     # finished requests kept for stats() (a dashboard's timeline)
 RECENT_STEPS = 512        # steps kept for stats()' throughput figure
@@ -194,6 +198,7 @@ class EngineLoop:
         self._handles: dict[int, RequestHandle] = {}
         self._seeds: dict[int, int] = {}
         self._detok: dict[int, object] = {}
+        self._stops: dict[int, StopStringMatcher] = {}     # requests with stop strings
         self._collectors: list[list[dict]] = []
         self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
         self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, rows, kind)
@@ -202,8 +207,15 @@ class EngineLoop:
         self.num_steps = 0
 
     # ---- any thread ----------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params) -> list[int]:
+        """The prompt as a list of ints if the request can be served, else ValueError (thread-safe)."""
+        prompt, _, _ = self.scheduler.validate(prompt_ids, params)   # constants only
+        if getattr(params, "stop", ()) and self._tokenizer is None:
+            raise ValueError("stop strings need text: this model directory has no tokenizer.json")
+        return prompt
+
     def submit(self, prompt_ids: list[int], params, session=None) -> RequestHandle:
-        prompt, _, _ = self.scheduler.validate(prompt_ids, params)   # constants only: thread-safe
+        prompt = self.validate(prompt_ids, params)
         manual = self.manual() if self.manual is not None else None
         if manual is not None and manual.has_unfinished():
             raise RuntimeError("this LLM is being stepped by hand (LLM.step) and still holds requests there")
@@ -304,6 +316,8 @@ class EngineLoop:
             self._seeds[request_id] = resolve_seed(handle.params)
             if self._tokenizer is not None:
                 self._detok[request_id] = self._tokenizer.detokenizer(skip_special_tokens=True)
+            if handle.params.stop:
+                self._stops[request_id] = StopStringMatcher(handle.params.stop)
         self._finish(sched.pop_finished())         # max_new_tokens == 0: finished by submit()
         for request_id in cancels:
             if request_id in self._handles:
@@ -337,6 +351,7 @@ class EngineLoop:
             handle.num_preemptions += 1
             handle._enter("preempted", t0)
         finished = {r.request_id: r for r in self.scheduler.pop_finished()}
+        final_text: dict[int, str] = {}
         rows = zip(entry["request_ids"], entry["sampled"], entry["start_positions"], strict=True)
         for request_id, token, start in rows:
             handle = self._handles[request_id]
@@ -350,23 +365,50 @@ class EngineLoop:
                 self._ttft.append(t1 - handle.submitted_at)
             if request_id in finished:
                 continue
+            text = self._text(request_id, [token], final=False)
+            stop = self._stops.get(request_id)
+            if stop is not None and stop.stopped:      # its text reached a stop string: it ends here
+                result = self.scheduler.cancel(request_id)
+                result.finish_reason = "stop"
+                finished[request_id], final_text[request_id] = result, text
+                continue
             handle._enter("decode", t1)
-            detok = self._detok.get(request_id)
-            handle._push(StreamEvent(request_id, [token], detok.push(token) if detok else "", False, None))
-        self._finish(list(finished.values()), sampled_now=set(finished), at=t1)
+            handle._push(StreamEvent(request_id, [token], text, False, None))
+        self._finish(list(finished.values()), sampled_now=set(finished), at=t1, final_text=final_text)
 
-    def _finish(self, results, sampled_now: set[int] = frozenset(), at: float | None = None) -> None:
+    def _text(self, request_id: int, tokens: list[int], final: bool) -> str:
+        """New text for new tokens: UTF-8 safe, and never past (or into) a stop string."""
+        detok = self._detok.get(request_id)
+        if detok is None:
+            return ""
+        piece = "".join(detok.push(t) for t in tokens) + (detok.flush() if final else "")
+        stop = self._stops.get(request_id)
+        if stop is None:
+            return piece
+        shown = stop.push(piece)
+        return shown + stop.flush() if final else shown
+
+    def _finish(self, results, sampled_now: set[int] = frozenset(), at: float | None = None,
+                final_text: dict[int, str] | None = None) -> None:
         """Deliver final events and outputs; requests in `sampled_now` got their last token this step
-        (it goes into the final event)."""
+        (it goes into the final event); `final_text` holds that event's text where it is known already
+        (a stop string ended the request)."""
         from engine.llm import RequestOutput
         at = time.monotonic() if at is None else at
         for result in results:
             handle = self._handles.pop(result.request_id)
-            detok = self._detok.pop(result.request_id, None)
             self._seeds.pop(result.request_id, None)
             new = result.token_ids[-1:] if result.request_id in sampled_now else []
-            text = "".join(detok.push(t) for t in new) + detok.flush() if detok else ""
-            full = self._tokenizer.decode(result.token_ids, skip_special_tokens=True) if self._tokenizer else ""
+            if final_text and result.request_id in final_text:
+                text = final_text[result.request_id]
+            else:
+                text = self._text(result.request_id, new, final=True)
+            self._detok.pop(result.request_id, None)
+            stop = self._stops.pop(result.request_id, None)
+            if stop is not None:       # the matcher saw the whole text, cut at a stop string if one came
+                full = stop.text
+            else:
+                full = self._tokenizer.decode(result.token_ids, skip_special_tokens=True) if self._tokenizer else ""
             handle.finished_at = at
             handle._enter("finished", at)
             self._recent.append(handle)
@@ -376,6 +418,7 @@ class EngineLoop:
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
         self._detok.pop(handle.request_id, None)
+        self._stops.pop(handle.request_id, None)
         self._seeds.pop(handle.request_id, None)
         handle.finished_at = time.monotonic()
         handle._enter("finished", handle.finished_at)

@@ -162,7 +162,7 @@ class LLM:
             raise ValueError("params must be engine.SamplingParams (one, or one per prompt)")
         ids = [self._prompt_ids(p) for p in prompts]
         for prompt_ids, sp in zip(ids, plist, strict=True):
-            self._engine.scheduler.validate(prompt_ids, sp)
+            self._engine.validate(prompt_ids, sp)
         log = self._engine.collect_steps()
         handles = []
         try:

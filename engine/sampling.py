@@ -24,6 +24,8 @@ class SamplingParams:
     top_p: float = 1.0         # 1 = no nucleus cut
     seed: int | None = None    # same seed, same tokens
     ignore_eos: bool = False   # keep generating past eos (benchmarks)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends just before the first one that appears
+
 
     def __post_init__(self):
         def is_int(v):      # Python or NumPy integers, never bools
@@ -43,6 +45,11 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        # One string or a list of them, as in OpenAI's `stop`; stored as a tuple (the dataclass is frozen).
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         # NumPy scalars pass the checks above; store plain Python numbers so that nothing downstream
         # (the scheduler's int checks, the seed arithmetic, JSON) meets a fixed-width type.
         for name, cast in (("max_new_tokens", int), ("temperature", float), ("top_k", int), ("top_p", float)):
