@@ -118,3 +118,28 @@ def test_cli_one_shot_and_unreachable_server(server):
                         "--prompt", "hi"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: cannot reach")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_remote_chat_against_the_engine_server(tmp_path):
+    """The real thing: engine.serve on loopback; each turn's text equals LLM.generate on the rendered
+    conversation, and a conversation longer than the server's context keeps going."""
+    pytest.importorskip("uvicorn")
+    from serve_helpers import MODEL_NAME, write_tiny_chat_model
+
+    from engine.llm import LLM
+    from engine.serve import ServerThread
+    llm = LLM(write_tiny_chat_model(tmp_path / "tiny-chat"), backend="numpy", max_context=160, max_seqs=4)
+    params = SamplingParams(max_new_tokens=12)
+    with ServerThread(llm, MODEL_NAME) as server:
+        chat = RemoteChat(server.url, params, "You are terse.")
+        notices = io.StringIO()
+        for turn in range(8):
+            text = f"Question number {turn}: what do pages hold?"
+            sent = chat.conversation.render(text, chat.messages)
+            out = io.StringIO()
+            chat.answer(text, out=out, notices=notices)
+            if "dropped" not in notices.getvalue():   # same messages as sent: the reply must match
+                prompt = llm.tokenizer.apply_chat_template(sent, add_generation_prompt=True)
+                want = llm.generate([llm.tokenizer.encode(prompt)], params)[0].text
+                assert out.getvalue() == want + "\n"
+        assert "dropped the oldest turn" in notices.getvalue()
