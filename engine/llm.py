@@ -102,7 +102,7 @@ class LLM:
             return KVCache.contiguous(self.config, self.max_seqs, self.max_context, self.backend)
         return KVCache.paged(self.config, mib, self.page_size, self.backend)
 
-    def new_scheduler(self) -> Scheduler:
+    def new_scheduler(self, first_request_id: int = 0) -> Scheduler:
         if self.kv_cache_kind == "contiguous":
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
@@ -111,7 +111,7 @@ class LLM:
         # stops a request as well as the config's.
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         eos, policy=self.batching, admission=self.admission)
+                         eos, policy=self.batching, admission=self.admission, first_request_id=first_request_id)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
