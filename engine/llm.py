@@ -45,7 +45,10 @@ class LLM:
     def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
-                 admission: str = "conservative", page_size: int = 16):
+                 admission: str = "conservative", page_size: int = 16,
+                 scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
+        """scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
+        exercises) runs in place of the engine's, with the same constructor arguments."""
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         if kv_cache not in KV_CACHES:
@@ -66,6 +69,7 @@ class LLM:
         self.max_seqs = max_seqs or (256 if b.is_gpu else 16)
         self.max_batch_tokens = max(max_batch_tokens or (8192 if b.is_gpu else 2048), self.max_seqs)
         self.page_size = page_size
+        self.scheduler_cls, self.allocator_cls = scheduler_cls, allocator_cls
         self.cache = self._allocate_cache(kv_cache_mib)
         self.last_step_log: list[dict] = []
 
@@ -94,9 +98,9 @@ class LLM:
         if self.kv_cache_kind == "contiguous":
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
-            allocator = PageAllocator(self.cache.num_blocks, self.page_size)
-        return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         self.config.eos_token_ids, policy=self.batching, admission=self.admission)
+            allocator = self.allocator_cls(self.cache.num_blocks, self.page_size)
+        return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
+                                   self.config.eos_token_ids, policy=self.batching, admission=self.admission)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:

@@ -22,11 +22,13 @@ STAND_IN_TOKEN = 7
 
 def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy: str, max_seqs: int,
                   max_batch_tokens: int | None = None, arrivals: Sequence[int] | None = None,
-                  allocator: BlockAllocator | None = None, admission: str = "conservative") -> list[dict]:
+                  allocator: BlockAllocator | None = None, admission: str = "conservative",
+                  scheduler_cls: type[Scheduler] = Scheduler) -> list[dict]:
     """The step log of a workload. Request i gets id i and is submitted once arrivals[i] steps have
     run (non-decreasing; default: all before the first step), or earlier when the engine would
     otherwise sit idle. Without an allocator: max_seqs contiguous slots of a context just long
-    enough for the longest request. Without max_batch_tokens: no token limit."""
+    enough for the longest request. Without max_batch_tokens: no token limit. scheduler_cls: the
+    Scheduler (sub)class that runs it."""
     n = len(prompt_lens)
     arrivals = list(arrivals) if arrivals is not None else [0] * n
     if not len(max_new) == len(arrivals) == n:
@@ -36,7 +38,7 @@ def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy:
     max_context = max(p + m for p, m in zip(prompt_lens, max_new)) + 1
     allocator = allocator or SlotAllocator(max_seqs, max_context)
     budget = max_batch_tokens or max(max_seqs, sum(prompt_lens) + sum(max_new))
-    sched = Scheduler(allocator, max_seqs, budget, max(max_context, allocator.max_seq_len + 1),
+    sched = scheduler_cls(allocator, max_seqs, budget, max(max_context, allocator.max_seq_len + 1),
                       policy=policy, admission=admission)
     submitted = 0
     while submitted < n or sched.has_unfinished():
