@@ -79,3 +79,23 @@ def tiny_model_dir(preset: str = "tiny") -> str:
     """A tiny random-weight model directory (fp32), written once per process into a temporary folder."""
     from engine.random_model import write_random_model
     return str(write_random_model(tempfile.mkdtemp(prefix=f"engine_{preset}_"), preset, seed=8, dtype="F32"))
+
+
+CHAT_PROMPTS = ("What is the capital of France?", "Name three colors.", "What is 2 + 2?")
+
+
+def default_chat_prompts(texts=CHAT_PROMPTS) -> tuple:
+    """(the default model's directory, the token ids of each text as a one-message chat)."""
+    import engine
+    model_dir = engine.ensure_default_model()
+    tok = engine.load_tokenizer(model_dir)
+    return model_dir, [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+                       for t in texts]
+
+
+def check_default_model_with(title: str, kv_cache_mib: float = 5.0, max_new_tokens: int = 16, **classes) -> bool:
+    """The default model (SmolLM2, NumPy backend) answers three chat prompts through engine.LLM with your
+    classes, in a KV pool small enough to preempt (on-demand admission); same steps and tokens as the engine's."""
+    model_dir, prompts = default_chat_prompts()
+    return check_llm_with(title, model_dir, prompts, default_params(len(prompts), max_new_tokens),
+                          kv_cache_mib=kv_cache_mib, show_text=True, **classes)
