@@ -6,7 +6,7 @@ the checkers of chapters 09-10 take their expected answers from it.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

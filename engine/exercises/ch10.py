@@ -4,13 +4,17 @@ simulator, read latencies off a step log, and write the scheduler's decisions yo
 (driven by engine.exercises.ch09.run_scheduler), not from a second implementation."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
 from engine.exercises.ch09 import run_scheduler
-from engine.exercises.serving_check import check_llm_with, compare_step_logs, tiny_model_dir
+from engine.exercises.serving_check import (
+    check_llm_with,
+    compare_step_logs,
+    tiny_model_dir,
+)
 from engine.paged_kv import PageAllocator
 from engine.plots import request_latencies
 from engine.sampling import SamplingParams

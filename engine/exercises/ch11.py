@@ -3,7 +3,7 @@ softmax (one key at a time, then merging two partial states, as the split-K kern
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
