@@ -95,7 +95,8 @@ def default_chat_prompts(texts=CHAT_PROMPTS) -> tuple:
 
 def check_default_model_with(title: str, kv_cache_mib: float = 5.0, max_new_tokens: int = 16, **classes) -> bool:
     """The default model (SmolLM2, NumPy backend) answers three chat prompts through engine.LLM with your
-    classes, in a KV pool small enough to preempt (on-demand admission); same steps and tokens as the engine's."""
+    classes, in a KV pool too small for all three at once (on-demand admission); the same steps and tokens
+    as with the engine's classes."""
     model_dir, prompts = default_chat_prompts()
     return check_llm_with(title, model_dir, prompts, default_params(len(prompts), max_new_tokens),
                           kv_cache_mib=kv_cache_mib, show_text=True, **classes)
