@@ -53,7 +53,10 @@ class LLM:
     def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
-                 admission: str = "conservative", page_size: int = 16):
+                 admission: str = "conservative", page_size: int = 16,
+                 scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
+        """scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
+        exercises) runs in place of the engine's, with the same constructor arguments."""
         # every argument is checked against config.json before a weight is read
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
@@ -78,6 +81,7 @@ class LLM:
         self.max_batch_tokens = max(int(max_batch_tokens) if max_batch_tokens is not None else
                                     (8192 if b.is_gpu else 2048), self.max_seqs)
         self.page_size = int(page_size)
+        self.scheduler_cls, self.allocator_cls = scheduler_cls, allocator_cls
         self.cache = self._allocate_cache(kv_cache_mib)
         self.last_step_log: list[dict] = []
         self._engine = EngineLoop(self)
@@ -110,12 +114,13 @@ class LLM:
         if self.kv_cache_kind == "contiguous":
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
-            allocator = PageAllocator(self.cache.num_blocks, self.page_size)
+            allocator = self.allocator_cls(self.cache.num_blocks, self.page_size)
         # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
         # stops a request as well as the config's.
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
-        return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         eos, policy=self.batching, admission=self.admission, first_request_id=first_request_id)
+        return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
+                                  eos, policy=self.batching, admission=self.admission,
+                                  first_request_id=first_request_id)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
