@@ -44,7 +44,7 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "embedding": Stage(
         "fn(ids [T] int32, table [V, H] float32) -> [T, H] float32",
-        "embedding_gather<<<T, 128>>>(const int* ids, const bf16* table, float* out, int H)",
+        "embedding_gather<<<T, 128>>>(const int* ids, const bf16* table, float* out, int V, int H)",
         ("embedding", "embedding_gather")),
     "rmsnorm": Stage(
         "fn(x [T, H] float32, w [H] float32, eps float) -> [T, H] float32",
