@@ -221,7 +221,7 @@ def bpe_merge(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]], tr
             left = merges.get((symbol[p], merged))
             if left is not None:
                 heapq.heappush(heap, (left[0], p, left[1]))
-    return [s for s, a in zip(symbol, alive) if a]
+    return [s for s, a in zip(symbol, alive, strict=True) if a]
 
 
 def _parse_merges(raw: list, vocab: dict[str, int]) -> dict[tuple[int, int], tuple[int, int]]:
@@ -368,9 +368,8 @@ class Tokenizer:
         self.eos_token_id = self._role_id("eos_token")
         self.pad_token_id = self._role_id("pad_token")
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
-        if chat_template is None:
-            chat_template = _default_template(config.get("chat_template"))
-        self.chat_template = chat_template
+        # kept as found: a malformed template field only fails apply_chat_template, never encode/decode
+        self.chat_template = chat_template if chat_template is not None else config.get("chat_template")
 
     @staticmethod
     def _check_supported(spec: dict) -> None:
@@ -471,7 +470,7 @@ class Tokenizer:
         table = self._token_bytes
         return b"".join(table[i] for i in map(int, ids) if i in table and i not in skip)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         """A streaming decoder: push ids one at a time, get text as soon as it is complete UTF-8."""
         return IncrementalDetokenizer(self, skip_special_tokens)
 
@@ -488,7 +487,7 @@ class Tokenizer:
         """Render a conversation with the model's chat template, identical to transformers' tokenize=False text."""
         from engine.chat_template import ChatTemplateError, render_chat_template
 
-        template = chat_template if chat_template is not None else self.chat_template
+        template = chat_template if chat_template is not None else _default_template(self.chat_template)
         if template is None:
             raise ChatTemplateError("this tokenizer has no chat template (tokenizer_config.json has none); "
                                     "pass chat_template=")
@@ -521,10 +520,24 @@ def _token_content(value) -> str | None:
 
 def _default_template(value) -> str | None:
     """chat_template is a string, or a list of {"name", "template"} of which "default" is the one used."""
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value}
-        return named.get("default")
-    return value
+    from engine.chat_template import ChatTemplateError
+
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ChatTemplateError(f"tokenizer_config.json chat_template must be a string or a list of "
+                                f"{{'name', 'template'}} entries, got {type(value).__name__}")
+    named = {}
+    for i, entry in enumerate(value):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)):
+            raise ChatTemplateError(f"tokenizer_config.json chat_template entry {i} is not "
+                                    f"{{'name': str, 'template': str}}: {str(entry)[:80]!r}")
+        named[entry["name"]] = entry["template"]
+    if "default" not in named:
+        raise ChatTemplateError(f"tokenizer_config.json has chat templates {sorted(named)} but none named "
+                                "'default'; pass chat_template=")
+    return named["default"]
 
 
 class IncrementalDetokenizer:
@@ -559,7 +572,10 @@ def load_tokenizer(model_dir) -> Tokenizer:
     config_path = tokenizer_json.parent / "tokenizer_config.json"
     config = _read_json(config_path) if config_path.is_file() else None
     template_path = tokenizer_json.parent / "chat_template.jinja"  # newer transformers save the template here
-    chat_template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
+    chat_template = None
+    if template_path.is_file():
+        # undecodable bytes stay visible as U+FFFD; the template then fails to compile or renders them
+        chat_template = template_path.read_bytes().decode("utf-8", errors="replace")
     return Tokenizer(spec, config, chat_template)
 
 
