@@ -417,6 +417,61 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_record(path: Path) -> dict:
+    """What the marker remembers of each written file, to notice a truncated or altered cache later."""
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(path)}
+
+
+def check_files(model_dir: Path, marker: dict) -> str | None:
+    """None when every file the marker lists is as written, else what is wrong.
+
+    Sizes are always compared; a file whose modification time changed is hashed again (a cache
+    copied elsewhere passes, and its marker is updated so the hash runs once)."""
+    records = marker.get("files")
+    if not isinstance(records, dict) or not records:   # an older converter's marker: upgrade it if sound
+        problem = _safetensors_incomplete(Path(model_dir) / "model.safetensors")
+        if problem:
+            return problem
+        records = marker["files"] = {p.name: file_record(p) for p in sorted(Path(model_dir).iterdir())
+                                     if p.name != MARKER_FILE and p.is_file()}
+        moved = True
+    else:
+        moved = False
+    for name, record in records.items():
+        path = Path(model_dir) / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return f"{path} is missing"
+        if stat.st_size != record.get("bytes"):
+            return f"{path} has {stat.st_size:,} bytes, {record.get('bytes')} were written (truncated?)"
+        if stat.st_mtime_ns != record.get("mtime_ns"):
+            if sha256_file(path) != record.get("sha256"):
+                return f"{path} was modified since conversion (checksum differs)"
+            record["mtime_ns"], moved = stat.st_mtime_ns, True
+    if moved:
+        try:
+            _write_json(Path(model_dir) / MARKER_FILE, marker)
+        except OSError:
+            pass   # read-only cache: it is verified by hash each time instead
+    return None
+
+
+def _safetensors_incomplete(path: Path) -> str | None:
+    """A safetensors file is complete when its size is header + the end of its last tensor."""
+    try:
+        with open(path, "rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(header_bytes, 100 << 20)))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        expected = 8 + header_bytes + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path} is unreadable or malformed ({type(e).__name__})"
+    size = path.stat().st_size
+    return None if size == expected else f"{path} has {size:,} bytes, its header says {expected:,} (truncated?)"
+
+
 def read_marker(model_dir: Path) -> dict | None:
     """The finished-conversion marker of a directory, or None when it has none (not finished)."""
     try:
@@ -476,7 +531,8 @@ def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Pat
         # last: its presence is what says "this directory is complete"
         _write_json(tmp / MARKER_FILE, {"converter_version": CONVERTER_VERSION,
                                         "source_file": gguf_path.name,
-                                        "source_sha256": sha256_file(gguf_path)})
+                                        "source_sha256": sha256_file(gguf_path),
+                                        "files": {p.name: file_record(p) for p in sorted(tmp.iterdir())}})
         if out_dir.exists():          # an empty directory is replaced
             out_dir.rmdir()
         os.rename(tmp, out_dir)
