@@ -62,7 +62,8 @@ def check_gpu_stack(required: bool) -> None:
         line("OK", f"GPU {i}", f"{name}, compute capability {p['major']}.{p['minor']}, "
                                 f"{p['totalGlobalMem'] / 2**30:.1f} GiB, {p['multiProcessorCount']} SMs")
     reason = cupy_unavailable_reason()
-    line("OK" if reason is None else "FAIL", "NVRTC kernel", "compiled and ran a bf16 test kernel" if reason is None else reason)
+    line("OK" if reason is None else missing, "NVRTC kernel",
+         "compiled and ran a bf16 test kernel" if reason is None else reason)
 
 
 def _cuda_version(v: int) -> str:
