@@ -414,7 +414,8 @@ def _stored_dtype(name: str, array: np.ndarray, float_dtype: str | None) -> str:
 def _stored_bytes(array: np.ndarray, st_dtype: str) -> np.ndarray:
     """A C-contiguous little-endian array holding exactly the bytes to write (same shape)."""
     if st_dtype == "BF16":
-        return f32_to_bf16(array.astype(np.float32, copy=False)).reshape(array.shape)
+        with np.errstate(over="ignore"):      # float64 beyond float32's range is inf in bf16 too, as in torch
+            return f32_to_bf16(array.astype(np.float32, copy=False)).reshape(array.shape)
     # astype, not ascontiguousarray: the latter turns a 0-d scalar into shape (1,)
     return array.astype(DTYPES[st_dtype][0], order="C", copy=False)
 

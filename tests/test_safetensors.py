@@ -121,7 +121,9 @@ def test_bf16_writer_is_read_by_the_library(tmp_path, tensors):
     assert sorted(stored) == sorted(tensors)
     for name, array in tensors.items():
         assert stored[name]["dtype"] == "BF16" and stored[name]["shape"] == list(array.shape)
-        assert bytes(stored[name]["data"]) == f32_to_bf16(array.astype(np.float32)).tobytes()
+        with np.errstate(over="ignore"):      # float64 beyond float32's range: inf, like the writer
+            expected = f32_to_bf16(array.astype(np.float32)).tobytes()
+        assert bytes(stored[name]["data"]) == expected
 
 
 @FAST
