@@ -87,6 +87,9 @@ class LLM:
         self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, enabled=cuda_graphs)
         self.last_step_log: list[dict] = []
         self._engine = EngineLoop(self)
+        # GPU: a decode step of a single sequence (a chat, a lone request) replays a CUDA graph.
+        self.use_cuda_graph = b.is_gpu and self.decode_graphs.enabled
+        self._decode_graph = None
 
     # ---- memory ------------------------------------------------------------------------------
     def _default_kv_mib(self) -> float:
@@ -109,7 +112,7 @@ class LLM:
             return KVCache.contiguous(self.config, self.max_seqs, self.max_context, self.backend)
         return KVCache.paged(self.config, mib, self.page_size, self.backend)
 
-    def new_scheduler(self) -> Scheduler:
+    def new_scheduler(self, first_request_id: int = 0) -> Scheduler:
         if self.kv_cache_kind == "contiguous":
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
@@ -118,7 +121,7 @@ class LLM:
         # stops a request as well as the config's.
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         eos, policy=self.batching, admission=self.admission)
+                         eos, policy=self.batching, admission=self.admission, first_request_id=first_request_id)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -206,6 +209,14 @@ class LLM:
             except BatchFailed as failed:
                 raise failed.__cause__ from None
 
+    def _graph_decode(self, row):
+        """Logits [1, V] of one sequence's decode step through the captured CUDA graph."""
+        token, position = row.token_ids[0], row.start_pos
+        if self._decode_graph is None:
+            from engine.cuda_graph import DecodeGraph
+            self._decode_graph = DecodeGraph(self.model, self.cache, token, position, row.block_table)
+        return self._decode_graph(token, position, row.block_table)
+
     def _step(self, sched: Scheduler, seeds: dict[int, int]):
         """schedule -> forward -> sample -> complete. (batch, sampled tokens), or None when there was
         nothing to run; a failed forward pass is undone (sched.fail) and raised as BatchFailed."""
@@ -216,7 +227,9 @@ class LLM:
         try:
             fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
                               batch.slot_mapping, logits_rows=batch.last_token_indices)
-            logits = self.decode_graphs.forward(fb)
+            logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
+            if logits is None and self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
+                logits = self._graph_decode(batch.rows[0])
             if logits is None:
                 logits = self.model.forward(fb, self.cache)
             tokens = sample(logits, [row.params for row in batch.rows],
