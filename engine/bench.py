@@ -9,12 +9,20 @@ ceiling (copy bandwidth). Scenarios:
   decode   batch 1: --prompt-len prompt, --new-tokens generated; decode tok/s, achieved bandwidth
   serve    --requests requests with prompt and output lengths uniform in [--min-len, --max-len]
            (seeded, ignore_eos): output tok/s for each batching x cache mode, concurrency
+  serve-oversubscribed  --oversub-requests (1,024) requests for --oversub-max-seqs (128) seats, lengths
+           uniform in [--min-len, --max-len]: static vs continuous batching (paged and contiguous)
+           in the same run; requests wait for seats, so continuous batching shows what it is for
   serve-http  the same workload sent at once over HTTP to `python -m engine.serve` (streaming, one
            client process), against LLM.generate in the same run: throughput ratio, time to first
            token p50/p99 (engine/bench_http.py)
 
     python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario prefill decode --hf
     python -m engine.bench --backend numpy --scenario decode --prompt-len 128 --new-tokens 128 --hf
+    python -m engine.bench --preset llama-3.2-1b --backend cupy --profile     # per-kernel times of a step
+
+--profile (with or without scenarios) prints the per-kernel GPU times of one decode step at each
+of --profile-batches rows x --profile-context tokens (engine/step_profile.py): a table on stderr,
+JSON lines on stdout, and with --profile-json PATH all of it in one JSON file.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import numpy as np
 from engine.backend import BACKENDS, copy_bandwidth, resolve_backend
 from engine.config import load_config
 
-SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-http")
+SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http")
 
 
 def emit(record: dict) -> None:
@@ -202,18 +210,25 @@ def serve_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, outs
 
 
-def scenario_serve(args, setup, model_dir, backend, hf):
+def scenario_serve(args, setup, model_dir, backend, hf, oversubscribed: bool = False):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
+    if oversubscribed:
+        args = argparse.Namespace(**{**vars(args), "requests": args.oversub_requests,
+                                     "max_seqs": args.oversub_max_seqs})
     prompts, outs = serve_workload(args, load_config(model_dir).vocab_size)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs]
     useful = sum(outs)
-    base = {**setup, "scenario": "serve", "requests": args.requests, "len_range": [args.min_len, args.max_len],
-            "output_tokens": useful}
-    for mode in args.serve_modes:
+    base = {**setup, "scenario": "serve-oversubscribed" if oversubscribed else "serve", "requests": args.requests,
+            "len_range": [args.min_len, args.max_len], "output_tokens": useful}
+    modes = args.serve_modes
+    if oversubscribed:
+        modes = ["static+contiguous", "static+paged", "continuous+contiguous", "continuous+paged"]
+        hf = None        # a padded batch of 1,024 rows is not a peer for a 128-seat server
+    for mode in modes:
         batching, kv = mode.split("+")
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
-                  max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs)
+                  max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs)
         llm.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))   # warm-up (compile kernels)
         backend.synchronize()
         t = time.perf_counter()
@@ -227,7 +242,8 @@ def scenario_serve(args, setup, model_dir, backend, hf):
               "steps": len(log), "max_running": max(s["running"] for s in log),
               "mean_decode_rows": round(float(np.mean(decode_rows)), 1) if decode_rows else 0,
               "preemptions": sum(len(s["preempted"]) for s in log),
-              "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1), "max_seqs": llm.max_seqs})
+              "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1), "max_seqs": llm.max_seqs,
+              "cuda_graphs": llm.decode_graphs.enabled, "graph_replays": llm.decode_graphs.replays})
         del llm
         if backend.is_gpu:
             backend.xp.get_default_memory_pool().free_all_blocks()
@@ -239,6 +255,22 @@ def scenario_serve(args, setup, model_dir, backend, hf):
                   "note": "one padded batch; every row generates max(output lengths) tokens, only the requested ones count"})
         except Exception as exc:
             emit({**base, "mode": "transformers", "error": f"{type(exc).__name__}: {exc}"[:300]})
+
+
+def run_profile(args, setup, model, ceiling_gbps) -> None:
+    from engine.step_profile import format_table, profile_decode, profile_records
+    everything = {"setup": {**setup, "copy_gbps": round(ceiling_gbps, 1)}, "steps": []}
+    for rows in args.profile_batches:
+        result = profile_decode(model, rows, args.profile_context)
+        records = profile_records(result, ceiling_gbps)
+        print(format_table(records, rows, args.profile_context), file=sys.stderr, flush=True)
+        for rec in records:
+            emit({**setup, "scenario": "profile", "batch": rows, "context": args.profile_context, **rec})
+        everything["steps"].append({"batch": rows, "context": args.profile_context, "records": records,
+                                    "timeline": result["timeline"]})
+    if args.profile_json:
+        Path(args.profile_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.profile_json).write_text(json.dumps(everything, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
@@ -260,6 +292,13 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+contiguous", "static+contiguous"])
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
+    ap.add_argument("--oversub-requests", type=int, default=1024, help="requests of serve-oversubscribed")
+    ap.add_argument("--oversub-max-seqs", type=int, default=128, help="seats (max running) of serve-oversubscribed")
+    ap.add_argument("--no-graphs", action="store_true", help="serve with eager decode steps (no CUDA graphs)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of one decode step")
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--profile-context", type=int, default=1024, help="tokens each profiled row attends to")
+    ap.add_argument("--profile-json", default=None, help="also write the profile records to this JSON file")
     args = ap.parse_args(argv)
     if args.hf and not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         print("error: --hf measures transformers in the same run, which needs torch and transformers: "
@@ -286,11 +325,12 @@ def main(argv=None) -> int:
     hf = HFPeer(model_dir, backend.is_gpu) if args.hf else None
     if hf is not None:
         setup["hf_version"] = hf.version
-    needs_model = set(args.scenario) & {"parity", "prefill", "decode"}
+    needs_model = set(args.scenario) & {"parity", "prefill", "decode"} or args.profile
     model = None
     if needs_model:
         t = time.perf_counter()
-        model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8))
+        model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8,
+                                                                       args.profile_context + 1))
         backend.synchronize()
         seconds = time.perf_counter() - t
         from engine.safetensors import open_checkpoint
@@ -304,9 +344,14 @@ def main(argv=None) -> int:
         scenario_prefill(args, setup, model, hf)
     if "decode" in args.scenario:
         scenario_decode(args, setup, model, hf, ceiling)
-    if "serve" in args.scenario:
+    if args.profile:
+        run_profile(args, setup, model, ceiling)
+    if "serve" in args.scenario or "serve-oversubscribed" in args.scenario:
         del model
+    if "serve" in args.scenario:
         scenario_serve(args, setup, model_dir, backend, hf)
+    if "serve-oversubscribed" in args.scenario:
+        scenario_serve(args, setup, model_dir, backend, hf, oversubscribed=True)
     if "serve-http" in args.scenario:
         from engine.bench_http import scenario_serve_http
         scenario_serve_http(args, setup, model_dir, backend)

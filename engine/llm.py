@@ -26,6 +26,7 @@ from pathlib import Path
 from engine.backend import resolve_backend
 from engine.config import check_serving_args, load_config
 from engine.engine_loop import BatchFailed, EngineLoop, RequestHandle
+from engine.graph_runner import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
 from engine.paged_kv import PageAllocator, SlotAllocator
@@ -53,15 +54,18 @@ class LLM:
     def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
-                 admission: str = "conservative", page_size: int = 16,
+                 admission: str = "conservative", page_size: int = 16, cuda_graphs: bool | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
         """scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
-        exercises) runs in place of the engine's, with the same constructor arguments."""
+        exercises) runs in place of the engine's, with the same constructor arguments. cuda_graphs:
+        replay decode steps as CUDA graphs per batch size (default: on, unless ENGINE_CUDA_GRAPHS=0)."""
         # every argument is checked against config.json before a weight is read
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None (the environment decides), got {cuda_graphs!r}")
         model_dir = Path(model_dir)
         config = load_config(model_dir)
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
@@ -83,10 +87,13 @@ class LLM:
         self.page_size = int(page_size)
         self.scheduler_cls, self.allocator_cls = scheduler_cls, allocator_cls
         self.cache = self._allocate_cache(kv_cache_mib)
+        # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
+        # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
+        self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, enabled=cuda_graphs)
         self.last_step_log: list[dict] = []
         self._engine = EngineLoop(self)
         # GPU: a decode step of a single sequence (a chat, a lone request) replays a CUDA graph.
-        self.use_cuda_graph = b.is_gpu
+        self.use_cuda_graph = b.is_gpu and self.decode_graphs.enabled
         self._decode_graph = None
 
     # ---- memory ------------------------------------------------------------------------------
@@ -224,11 +231,12 @@ class LLM:
             return None
         t0 = time.perf_counter()
         try:
-            if self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
+            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
+                              batch.slot_mapping, logits_rows=batch.last_token_indices)
+            logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
+            if logits is None and self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
                 logits = self._graph_decode(batch.rows[0])
-            else:
-                fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
-                                  batch.slot_mapping, logits_rows=batch.last_token_indices)
+            if logits is None:
                 logits = self.model.forward(fb, self.cache)
             tokens = sample(logits, [row.params for row in batch.rows],
                             [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows],

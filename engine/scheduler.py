@@ -72,6 +72,7 @@ submit() is allowed at any time; requests submitted while a batch is in flight s
 """
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
 from collections import OrderedDict, deque
@@ -115,7 +116,11 @@ class Row:
 
 @dataclass
 class Batch:
-    """What the runner executes in one forward pass. Rows and arrays are copies: safe to keep."""
+    """What the runner executes in one forward pass. Rows and arrays are copies: safe to keep.
+
+    The arrays are built with NumPy from the rows' lengths, start positions and page tables (no
+    per-token Python), once per batch: each property caches its array, read-only.
+    """
     batch_id: int
     kind: str               # "prefill" | "decode"
     rows: list[Row]
@@ -123,53 +128,78 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(row.token_ids) for row in self.rows)
+        return int(self.cu_seqlens[-1])
+
+    def _cached(self, name: str, build) -> np.ndarray:
+        cache = self.__dict__.setdefault("_arrays", {})
+        array = cache.get(name)
+        if array is None:
+            array = cache[name] = build()
+            array.flags.writeable = False
+        return array
 
     @property
     def token_ids(self) -> np.ndarray:
         """[T] int32, all rows' tokens packed one after another (no padding)."""
-        return np.array([t for row in self.rows for t in row.token_ids], dtype=np.int32)
+        return self._cached("token_ids", lambda: np.fromiter(
+            itertools.chain.from_iterable(row.token_ids for row in self.rows), dtype=np.int32, count=self.num_tokens))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[R] int32, tokens of each row in this batch."""
+        return self._cached("lengths", lambda: np.fromiter((len(row.token_ids) for row in self.rows),
+                                                           dtype=np.int32, count=len(self.rows)))
+
+    @property
+    def start_positions(self) -> np.ndarray:
+        """[R] int32, absolute position of each row's first token."""
+        return self._cached("start_positions", lambda: np.fromiter((row.start_pos for row in self.rows),
+                                                                   dtype=np.int32, count=len(self.rows)))
 
     @property
     def positions(self) -> np.ndarray:
         """[T] int32, the absolute position of every token (what RoPE rotates by)."""
-        return np.concatenate([np.arange(row.start_pos, row.context_len, dtype=np.int32)
-                               for row in self.rows])
+        def build():
+            offset = np.repeat(self.start_positions - self.cu_seqlens[:-1], self.lengths)   # [T]
+            return (offset + np.arange(self.num_tokens, dtype=np.int32)).astype(np.int32)
+        return self._cached("positions", build)
 
     @property
     def cu_seqlens(self) -> np.ndarray:
         """[R+1] int32, row r's tokens are token_ids[cu_seqlens[r]:cu_seqlens[r+1]]."""
-        lengths = [len(row.token_ids) for row in self.rows]
-        return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        return self._cached("cu_seqlens", lambda: np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32))
 
     @property
     def last_token_indices(self) -> np.ndarray:
         """[R] int32, where each row's logits are sampled from."""
-        return self.cu_seqlens[1:] - 1
+        return self._cached("last_token_indices", lambda: (self.cu_seqlens[1:] - 1).astype(np.int32))
 
     @property
     def context_lens(self) -> np.ndarray:
         """[R] int32, tokens each row attends to after this step."""
-        return np.array([row.context_len for row in self.rows], dtype=np.int32)
+        return self._cached("context_lens", lambda: (self.start_positions + self.lengths).astype(np.int32))
 
     @property
     def slot_mapping(self) -> np.ndarray:
         """[T] int32, where each new token's K/V goes: block * block_size + offset."""
-        slots = []
-        for row in self.rows:
-            pos = np.arange(row.start_pos, row.context_len)
-            table = np.asarray(row.block_table)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-        return np.concatenate(slots).astype(np.int32)
+        def build():
+            pos = self.positions
+            row = np.repeat(np.arange(len(self.rows)), self.lengths)                    # [T]
+            pages = self.block_tables[row, pos // self.block_size]
+            return (pages * self.block_size + pos % self.block_size).astype(np.int32)
+        return self._cached("slot_mapping", build)
 
     @property
     def block_tables(self) -> np.ndarray:
         """[R, max table length] int32, padded with -1."""
-        width = max(len(row.block_table) for row in self.rows)
-        tables = np.full((len(self.rows), width), -1, dtype=np.int32)
-        for r, row in enumerate(self.rows):
-            tables[r, :len(row.block_table)] = row.block_table
-        return tables
+        def build():
+            sizes = np.fromiter((len(row.block_table) for row in self.rows), dtype=np.int64, count=len(self.rows))
+            tables = np.full((len(self.rows), int(sizes.max())), -1, dtype=np.int32)
+            filled = np.arange(tables.shape[1]) < sizes[:, None]                          # [R, W]
+            tables[filled] = np.fromiter(itertools.chain.from_iterable(row.block_table for row in self.rows),
+                                         dtype=np.int32, count=int(sizes.sum()))
+            return tables
+        return self._cached("block_tables", build)
 
 
 @dataclass

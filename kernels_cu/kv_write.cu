@@ -3,6 +3,8 @@
 // block * block_size + offset (the slot mapping the scheduler computes from the block table),
 // so the destination row is simply cache + slot * Hkv * D. A contiguous per-sequence cache is the
 // special case block_size = max_context, one block per sequence.
+// A negative slot marks a padding row of a CUDA-graph batch bucket (engine/graph_runner.py): nothing
+// is written for it.
 // Thread layout: one block per token; threads copy 4-byte pairs of bf16 along the K row and the V row.
 #include "common.cuh"
 
@@ -13,6 +15,7 @@ extern "C" __global__ void kv_write(const bf16* __restrict__ qkv,           // [
                                      int q_dim, int kv_dim) {                 // Hq*D, Hkv*D (even)
     const int t = blockIdx.x;
     const long long slot = slot_mapping[t];
+    if (slot < 0) return;                                                    // a padding row
     const long long row = (long long)t * (q_dim + 2 * kv_dim);
     const unsigned* k_src = reinterpret_cast<const unsigned*>(qkv + row + q_dim);
     const unsigned* v_src = reinterpret_cast<const unsigned*>(qkv + row + q_dim + kv_dim);

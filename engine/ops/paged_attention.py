@@ -21,8 +21,14 @@ from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
 
 def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
-    """k, v [T, Hkv, D] -> the cache rows slot_mapping[t] of k_cache/v_cache [NB, BS, Hkv, D]."""
+    """k, v [T, Hkv, D] -> the cache rows slot_mapping[t] of k_cache/v_cache [NB, BS, Hkv, D].
+
+    A negative slot is a padding row (a CUDA-graph batch bucket, engine/graph_runner.py): not written."""
     Hkv, D = k_cache.shape[2:]
+    slot_mapping = np.asarray(slot_mapping)
+    real = slot_mapping >= 0
+    if not real.all():
+        k, v, slot_mapping = k[real], v[real], slot_mapping[real]
     k_cache.reshape(-1, Hkv, D)[slot_mapping] = k
     v_cache.reshape(-1, Hkv, D)[slot_mapping] = v
 

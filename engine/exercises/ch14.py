@@ -1,0 +1,124 @@
+"""Chapter 14 exercises: predict a decode step's floor from the model's bytes; find the bottleneck
+of a step from its per-kernel timeline."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from engine.config import LlamaConfig
+from engine.exercises import check_cases
+from engine.exercises.ch08 import config_label, preset_config
+
+IDLE = "idle"      # the label of the time no kernel runs (the GPU waits for the host)
+
+
+def _call(fn: Callable, args: tuple) -> str:
+    def show(a):
+        if isinstance(a, LlamaConfig):
+            return config_label(a)
+        if isinstance(a, list) and len(a) > 4:
+            return f"[{len(a)} kernels: {a[0]!r}, {a[1]!r}, ...]"
+        return repr(a)
+    return f"{getattr(fn, '__name__', 'fn')}({', '.join(show(a) for a in args)})"
+
+
+# ----------------------------------------------------------------------------- the floor of a step
+
+def step_floor_ms_ref(config: LlamaConfig, batch: int, context_len: int, bandwidth_gbps: float,
+                      bytes_per_value: int = 2) -> float:
+    """The shortest a decode step can take: every weight is read once (shared by the whole batch),
+    and every sequence reads the K/V of its context_len tokens, at the copy bandwidth."""
+    weights = config.num_parameters() * bytes_per_value
+    kv = batch * context_len * config.kv_bytes_per_token(bytes_per_value)
+    return (weights + kv) / (bandwidth_gbps * 1e9) * 1e3
+
+
+def check_step_floor_ms(fn: Callable) -> bool:
+    """fn(config, batch, context_len, bandwidth_gbps, bytes_per_value) -> milliseconds."""
+    llama, smol = preset_config("llama-3.2-1b"), preset_config("smollm2-135m")
+    setups = [(llama, 1, 512, 4200.0, 2), (llama, 64, 1024, 4200.0, 2), (llama, 256, 600, 4200.0, 2),
+              (smol, 1, 128, 18.0, 4), (smol, 32, 4096, 3350.0, 2), (llama, 8, 0, 1000.0, 2)]
+    cases = [(args, step_floor_ms_ref(*args)) for args in setups]
+    hints = [("the weights were counted once per sequence; one read serves the whole batch",
+              lambda c, b, n, bw, bpv: step_floor_ms_ref(c, b, n, bw, bpv) + (b - 1) * c.num_parameters() * bpv
+              / (bw * 1e9) * 1e3),
+             ("the K/V reads are missing (at batch 64 x 1,024 tokens they are a third of the bytes)",
+              lambda c, b, n, bw, bpv: c.num_parameters() * bpv / (bw * 1e9) * 1e3),
+             ("that is seconds; the answer is in milliseconds",
+              lambda c, b, n, bw, bpv: step_floor_ms_ref(c, b, n, bw, bpv) / 1e3),
+             ("GB/s means 1e9 bytes per second, not 2**30",
+              lambda c, b, n, bw, bpv: step_floor_ms_ref(c, b, n, bw, bpv) * 1e9 / 2**30)]
+    return check_cases("step_floor_ms", fn, cases, same=lambda g, w: math.isclose(float(g), w, rel_tol=1e-6),
+                       hints=hints, label=_call)
+
+
+# ----------------------------------------------------------------------------- the bottleneck
+
+def bottleneck_ref(timeline: list) -> tuple[str, float]:
+    """timeline: [label, start_ms, end_ms] of every kernel of one step, in launch order, one after the
+    other on one stream. Returns (label, share): the label with the most time summed over its calls,
+    where the gaps between one kernel's end and the next one's start count as IDLE, and its share of
+    the step (first start to last end)."""
+    totals: dict[str, float] = {}
+    for i, (label, start, end) in enumerate(timeline):
+        totals[label] = totals.get(label, 0.0) + (end - start)
+        if i:
+            totals[IDLE] = totals.get(IDLE, 0.0) + max(0.0, start - timeline[i - 1][2])
+    span = timeline[-1][2] - timeline[0][1]
+    label = max(totals, key=totals.get)
+    return label, totals[label] / span
+
+
+def _timeline(kernels: list[tuple[str, float]], gap: float) -> list:
+    t, out = 0.0, []
+    for label, ms in kernels:
+        out.append([label, round(t, 6), round(t + ms, 6)])
+        t += ms + gap
+    return out
+
+
+def _layers(n: int, per_layer: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    return [("embedding", 0.002)] + per_layer * n + [("lm_head", 0.06)]
+
+
+def check_bottleneck(fn: Callable) -> bool:
+    """fn(timeline) -> (label, share of the step)."""
+    graph_b1 = _layers(16, [("linear qkv", 0.005), ("paged_attention", 0.004), ("linear o", 0.004),
+                            ("linear gate_up", 0.02), ("swiglu", 0.002), ("linear down", 0.012)])
+    long_ctx = _layers(16, [("linear qkv", 0.01), ("paged_attention", 0.09), ("linear o", 0.008),
+                            ("linear gate_up", 0.03), ("linear down", 0.02)])
+    cases = [((_timeline(graph_b1, 0.0),), None),            # a replayed graph: back to back
+             ((_timeline(graph_b1, 0.02),), None),           # launched from Python: gaps of 20 us
+             ((_timeline(long_ctx, 0.001),), None),          # batch 64 x 4k: attention dominates
+             (([["a", 0.0, 1.0], ["b", 1.5, 2.0], ["a", 2.0, 2.25]],), None)]
+    cases = [(args, bottleneck_ref(*args)) for args, _ in cases]
+
+    def same(got, want):
+        return got[0] == want[0] and math.isclose(float(got[1]), want[1], rel_tol=1e-6)
+
+    hints = [("the gaps between kernels (the GPU waiting for Python's next launch) were not counted as idle",
+              lambda tl: bottleneck_ref(_close_gaps(tl))),
+             ("the share must be of the whole step (first start to last end), not of the kernel time",
+              lambda tl: (bottleneck_ref(tl)[0], _kernel_share(tl))),
+             ("calls of the same kernel must be summed, not compared one by one",
+              lambda tl: _longest_call(tl))]
+    return check_cases("bottleneck", fn, cases, same=same, hints=hints, label=_call)
+
+
+def _close_gaps(timeline: list) -> list:
+    t, out = timeline[0][1], []
+    for label, start, end in timeline:
+        out.append([label, t, t + end - start])
+        t += end - start
+    return out
+
+
+def _kernel_share(timeline: list) -> float:
+    label, _ = bottleneck_ref(timeline)
+    busy = sum(e - s for _, s, e in timeline)
+    return sum(e - s for lab, s, e in timeline if lab == label) / busy if label != IDLE else 0.0
+
+
+def _longest_call(timeline: list) -> tuple[str, float]:
+    label, start, end = max(timeline, key=lambda k: k[2] - k[1])
+    return label, (end - start) / (timeline[-1][2] - timeline[0][1])

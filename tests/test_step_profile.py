@@ -1,0 +1,88 @@
+"""The per-op profile of one decode step (engine/step_profile.py) and the bench entries that use it."""
+import json
+
+import numpy as np
+import pytest
+
+import engine.model as model_module
+from engine.backend import cupy_unavailable_reason
+from engine.kv_cache import KVCache
+from engine.model import load_model
+from engine.random_model import write_random_model
+from engine.step_profile import TIMED, OpTimer, decode_batch_for, profile_decode, profile_records
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=2)
+
+
+def test_timed_ops_change_nothing_and_restore(tiny_dir):
+    model = load_model(tiny_dir, backend="numpy", max_context=64)
+    cfg = model.config
+    fb = decode_batch_for(3, 20, 4, cfg.vocab_size)
+    before = {name: getattr(model_module, name) for name in TIMED}
+    ref = model.forward(fb, KVCache(cfg, 15, 4, "numpy"))
+    timer = OpTimer(model, context_tokens=3 * 20)
+    with timer.timed_ops():
+        got = model.forward(fb, KVCache(cfg, 15, 4, "numpy"))
+    np.testing.assert_array_equal(got, ref)
+    assert {name: getattr(model_module, name) for name in TIMED} == before
+    table, total = timer.table()
+    calls = {row["kernel"]: row["calls"] for row in table}
+    L = cfg.num_hidden_layers
+    assert calls == {"embedding": 1, "rmsnorm": 1, "linear qkv": L, "rope_qkv": L, "kv_write": L,
+                     "paged_attention": L, "linear o": L, "add_rmsnorm": 2 * L, "linear gate_up": L,
+                     "swiglu": L, "linear down": L, "lm_head": 1}
+    qkv = next(row for row in table if row["kernel"] == "linear qkv")
+    H = cfg.hidden_size
+    assert qkv["bytes"] == L * (cfg.qkv_dim * H * 4 + 3 * H * 4 + 3 * cfg.qkv_dim * 4)
+    assert total == pytest.approx(sum(row["ms"] for row in table))
+    timeline = timer.timeline()
+    assert len(timeline) == sum(calls.values()) and timeline[0][1] == 0
+    assert all(start <= end for _, start, end in timeline)
+    assert all(a[2] <= b[1] + 1e-9 for a, b in zip(timeline, timeline[1:], strict=False))   # one op after the other
+
+
+def test_profile_records(tiny_dir):
+    model = load_model(tiny_dir, backend="numpy", max_context=64)
+    result = profile_decode(model, rows=2, context=30, page_size=4, reps=3)
+    records = profile_records(result, copy_gbps=10.0)
+    ops, total = records[:-1], records[-1]
+    assert [r["ms"] for r in ops] == sorted((r["ms"] for r in ops), reverse=True)
+    assert sum(r["pct_of_step"] for r in ops) == pytest.approx(100, abs=1)
+    assert total["bytes"] == sum(r["bytes"] for r in ops)
+    assert total["floor_ms"] == pytest.approx(total["bytes"] / 10e9 * 1e3, rel=1e-3)
+    assert total["eager_step_ms"] > 0 and "graph_step_ms" not in total      # no graphs on the CPU
+    for r in ops:
+        assert r["gbps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e9, rel=0.02, abs=0.1)
+
+
+def test_bench_profile_and_oversubscribed(tiny_dir, tmp_path, capsys):
+    from engine.bench import main
+    out = tmp_path / "profile.json"
+    assert main(["--model", str(tiny_dir), "--backend", "numpy", "--scenario", "serve-oversubscribed",
+                 "--max-context", "64", "--profile", "--profile-batches", "1", "3", "--profile-context", "20",
+                 "--profile-json", str(out), "--oversub-requests", "7", "--oversub-max-seqs", "2",
+                 "--min-len", "3", "--max-len", "8"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    profiles = [r for r in lines if r["scenario"] == "profile"]
+    assert {r["batch"] for r in profiles} == {1, 3}
+    saved = json.loads(out.read_text())
+    assert [s["batch"] for s in saved["steps"]] == [1, 3] and saved["steps"][0]["timeline"]
+    serve = [r for r in lines if r["scenario"] == "serve-oversubscribed"]
+    assert [r["mode"] for r in serve] == ["static+contiguous", "static+paged", "continuous+contiguous",
+                                          "continuous+paged"]
+    assert all(r["requests"] == 7 and r["max_running"] <= 2 for r in serve)
+    assert len({r["output_tokens"] for r in serve}) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
+def test_profile_on_gpu(tiny_dir):
+    model = load_model(tiny_dir, backend="cupy", max_context=128)
+    result = profile_decode(model, rows=4, context=100, reps=3)
+    records = profile_records(result, copy_gbps=1000.0)
+    total = records[-1]
+    assert total["ms"] > 0 and total["graph_step_ms"] is not None and total["graph_step_ms"] > 0
+    assert all(r["ms"] > 0 for r in records)
