@@ -219,7 +219,7 @@ BROKEN = [
     ("embedding", "const long long row = ids[t];", "const long long row = t;", "instead of row ids[t]"),
     ("swiglu", "idx += stride)", "idx += n)", "never written"),
     ("swiglu", "idx < n; idx += stride)", "idx < n + 200; idx += n + 200)", "missing bounds check"),
-    ("swiglu", "gate_up[t * 2 * I + I + i]", "gate_up[t * I + I + i]", "row stride"),
+    ("swiglu", "gate_up[t * 2 * I + I + i]", "gate_up[t * I + I + i]", "wrong stride"),
     ("rope", "(long long)positions[t]", "(long long)t", "not by its position"),
     ("rope", "out[vbase + j] = f2bf(qkv[vbase + j]);", ";", "the v heads"),
     ("kv_write", "(long long)slot_mapping[t] * kv_dim;", "(long long)t * kv_dim;", "wrong destination"),

@@ -1,6 +1,8 @@
 """engine.use_stage: a learner's stage replaces the engine's inside the real model, and only inside the block."""
 import threading
 
+import re
+
 import numpy as np
 import pytest
 
@@ -154,6 +156,12 @@ def test_gpu_cuda_source_of_the_engine_reproduces_the_engine(tiny_dir, stage):
     source, name = _engine_source(stage)
     with engine.use_stage(stage, cuda_source=source, kernel=name):
         got = model.logits(IDS)
+    if stage == "attention":
+        # the engine prefills with the flash kernel; an attention override runs chapter 06's path
+        # (cuBLAS + your softmax), so the two agree to bf16 rounding, not bit for bit
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+        assert np.mean(got.argmax(-1) == want.argmax(-1)) > 0.9
+        return
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -168,7 +176,10 @@ def test_gpu_cuda_source_runs_inside_generate_and_the_chat(tiny_dir, stage):
     want = [r.token_ids for r in llm.generate(prompts, params)]
     chat_want = list(ChatSession(llm.model).stream(IDS, params))
     source, name = _engine_source(stage)
-    broken = source.replace(f"void {name}(", f"void {name}_unused(")     # the launch must reach OUR module
+    # rename the kernel's definition (after `void` and any __launch_bounds__): the launch must reach OUR module
+    broken = re.sub(rf"(__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?){name}\(", rf"\g<1>{name}_unused(",
+                    source, count=1)
+    assert broken != source
     with engine.use_stage(stage, cuda_source=source, kernel=name) as plug:
         got = [r.token_ids for r in llm.generate(prompts, params)]
         chat_got = list(ChatSession(llm.model).stream(IDS, params))    # eager steps: no CUDA graph

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
+from engine.ops.paged_attention import NWARPS
 from engine.paged_kv import PageAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
@@ -195,7 +196,8 @@ def _kv_write_kernel_case(rng, Hq: int, Hkv: int, D: int, T: int, pages: int, pa
 
     k_cols, v_cols = np.arange(q_dim, q_dim + kv_dim), np.arange(q_dim + kv_dim, q_dim + 2 * kv_dim)
     hints = [("k and v are swapped", cache(v_cols, k_cols)),
-             ("the q heads were copied: k starts q_dim values into the row", cache(np.arange(kv_dim), k_cols))]
+             ("the q heads were copied: k starts q_dim values into the row",
+              cache(np.arange(kv_dim), np.arange(kv_dim, 2 * kv_dim)))]
     return Case(f"Hq={Hq} Hkv={Hkv} D={D} T={T} into {pages} pages of {page_size}, {threads} threads", (T,), threads,
                 {"qkv": qkv_bits, "slot_mapping": slot_mapping},
                 lambda d: (d["qkv"], d["slot_mapping"], d["out"][:slots], d["out"][slots:], np.int32(q_dim),
@@ -254,13 +256,14 @@ def _paged_kernel_case(rng, Hq: int, Hkv: int, D: int, ctxs: list, page_size: in
          attend(head_of=np.arange(Hq) % Hkv))]
     unused = np.zeros(1, np.float32)
     return Case(f"Hq={Hq} Hkv={Hkv} D={D} contexts {ctxs if S <= 6 else f'{ctxs[0]} x {S}'} in pages of {page_size}",
-                (S, Hkv, 1), 128,
+                (S, Hkv, 1), 32 * NWARPS,
                 {"qkv": qkv_bits, "k": kc_bits, "v": vc_bits, "tables": tables, "seq": seq_idx, "pos": positions,
                  "unused": unused},
                 lambda d: (d["qkv"], np.int64(qkv.shape[1]), d["k"], d["v"], d["tables"], np.int32(per_seq), d["seq"],
                            d["pos"], np.int32(page_size), np.int32(Hkv), np.float32(scale * np.log2(np.e)), d["out"],
                            np.int64(Hq * D), d["unused"], d["unused"]),
-                "bf16", attend(), hints, defines={"HEAD_DIM": D, "GROUP": G}, nbytes=sum(ctxs) * Hkv * D * 2 * 2)
+                "bf16", attend(), hints, defines={"HEAD_DIM": D, "GROUP": G, "NWARPS": NWARPS},
+                nbytes=sum(ctxs) * Hkv * D * 2 * 2)
 
 
 def _paged_kernel_cases():
