@@ -215,19 +215,26 @@ class EngineLoop:
         return prompt
 
     def submit(self, prompt_ids: list[int], params, session=None) -> RequestHandle:
-        prompt = self.validate(prompt_ids, params)
+        return self.submit_many([(prompt_ids, params, session)])[0]
+
+    def submit_many(self, requests) -> list[RequestHandle]:
+        """Queue (prompt_ids, params, session) requests together: the loop sees all of them or none at
+        its next step, so one generate() call's step log does not depend on thread timing."""
+        prompts = [self.validate(prompt_ids, params) for prompt_ids, params, _ in requests]
         manual = self.manual() if self.manual is not None else None
         if manual is not None and manual.has_unfinished():
             raise RuntimeError("this LLM is being stepped by hand (LLM.step) and still holds requests there")
         with self._cv:
             if self._closed:
                 raise RuntimeError("this LLM was closed")
-            handle = RequestHandle(self, self._next_id, prompt, params, session)
-            self._next_id += 1
-            self._pending.append(handle)
+            handles = []
+            for prompt, (_, params, session) in zip(prompts, requests, strict=True):
+                handles.append(RequestHandle(self, self._next_id, prompt, params, session))
+                self._next_id += 1
+            self._pending.extend(handles)
             self._start_thread()
             self._cv.notify_all()
-        return handle
+        return handles
 
     def cancel(self, request_id: int) -> None:
         with self._cv:

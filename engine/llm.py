@@ -179,12 +179,10 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ValueError("params must be engine.SamplingParams (one, or one per prompt)")
         ids = [self._prompt_ids(p) for p in prompts]
-        for prompt_ids, sp in zip(ids, plist, strict=True):
-            self._engine.validate(prompt_ids, sp)
         log = self._engine.collect_steps()
         handles = []
         try:
-            handles = [self._engine.submit(prompt_ids, sp) for prompt_ids, sp in zip(ids, plist, strict=True)]
+            handles = self._engine.submit_many([(prompt_ids, sp, None) for prompt_ids, sp in zip(ids, plist, strict=True)])
             outputs = [handle.result() for handle in handles]
         except BaseException:          # an error or Ctrl-C: the rest of this call is not wanted
             for handle in handles:
