@@ -164,7 +164,8 @@ class Model:
         for i, lw in enumerate(w.layers):
             # --- attention block ---
             qkv = linear(h, lw.qkv)                                # [T, (Hq+2Hkv)*D] fp32
-            qkv = rope_qkv(qkv, pos, self.cos, self.sin, cfg)      # q, k rotated (bf16 on the GPU)
+            qkv = rope_qkv(qkv, pos, self.cos, self.sin, cfg,      # (+ bias, q/k norm) q, k rotated
+                           lw.qkv_bias, lw.q_norm, lw.k_norm)      # (bf16 on the GPU)
             k_cache = v_cache = None
             if cache is not None:
                 k_cache, v_cache = cache.layer(i)
