@@ -9,14 +9,13 @@ Each model family runs the workloads: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k
 """
 import numpy as np
 import pytest
+from oracle_helpers import GEN_CONFIG, GEN_CONFIGS, ForwardCounter, gen_model_dir, greedy_no_cache
 
+from engine.config import config_from_dict
 from engine.generate import ChatSession
 from engine.llm import LLM
 from engine.model import load_model
 from engine.sampling import SamplingParams
-from oracle_helpers import GEN_CONFIG, GEN_CONFIGS, ForwardCounter, gen_model_dir, greedy_no_cache
-
-from engine.config import config_from_dict
 
 MAX_CONTEXT = 32                 # prompts up to 20 + outputs up to 12: some requests reach the end
 # (family, seed): every seed on Llama, two on each Qwen family
