@@ -8,7 +8,10 @@ achieved bandwidth next to the device's measured copy bandwidth. Prints a table,
 The `ladder` case times each version of a stage that keeps its first, naive kernel beside the fast
 one (RMSNorm, the prefill softmax, paged attention), checked the same way: the chapters show it.
 
-    python -m engine.kernel_bench [--json out.jsonl] [--quick]
+    python -m engine.kernel_bench [--json out.jsonl] [--quick] [--check-only]
+
+--check-only runs every check once and times nothing: the mode for `compute-sanitizer`, which
+slows each launch down by orders of magnitude.
 """
 from __future__ import annotations
 
@@ -32,14 +35,14 @@ def rel_err(out, ref) -> float:
 
 
 class Bench:
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, check_only: bool = False):
         self.backend = resolve_backend("cupy")
         import cupy as cp
         self.cp = cp
         self.rng = np.random.default_rng(1234)
-        self.quick = quick
+        self.quick, self.check_only = quick, check_only
         self.rows: list[dict] = []
-        self.copy_gbps = copy_bandwidth(self.backend)
+        self.copy_gbps = float("nan") if check_only else copy_bandwidth(self.backend)
 
     # -- helpers ------------------------------------------------------------------------------
     def bf16(self, *shape, scale=1.0):
@@ -72,12 +75,15 @@ class Bench:
                 cp.cuda.set_allocator(pool.malloc)
         return ctx()
 
-    def time_ms(self, fn, reps: int | None = None) -> float:
-        """Median over rounds of (time of `reps` back-to-back calls) / reps, by CUDA events.
+    def time_ms(self, fn, reps: int | None = None) -> float | None:
+        """Median over rounds of (time of `reps` back-to-back calls) / reps, by CUDA events
+        (None with --check-only).
 
         Back to back, the launch queue stays full, so the figure is the kernel's time on the GPU
         rather than the host's launch latency.
         """
+        if self.check_only:
+            return None
         cp = self.cp
         reps = reps or (5 if self.quick else 20)
         for _ in range(3):
@@ -249,7 +255,7 @@ class Bench:
                 ms = self.time_ms(lambda a=args: flash_attention(*a), reps=5)
                 flops = 4 * 32 * 64 * (T * prefix + T * (T + 1) / 2)      # QK^T and PV over the causal range
                 shape = f"Llama-1B heads T={T}" + (f" after {prefix} cached" if prefix else "")
-                tflops = flops / (ms * 1e-3) / 1e12
+                tflops = flops / (ms * 1e-3) / 1e12 if ms else float("nan")
                 self.record("flash_attention", shape, err, BF16_TOL, ms, flops=flops,
                             note=f"{100 * tflops / gemm:.0f}% of the bf16 GEMM rate ({gemm:.0f} TFLOP/s)")
                 if prefix:    # what a chunk over the cache cost before: the decode kernel, one row per token
@@ -263,6 +269,8 @@ class Bench:
 
     def _gemm_tflops(self) -> float:
         """The measured bf16 GEMM rate (cuBLAS, 8192^3, fp32 accumulation): the tensor cores' practical peak."""
+        if self.check_only:
+            return float("nan")
         n = 8192
         a, _ = self.bf16(n, n)
         out = self.cp.empty((n, n), dtype=self.cp.uint16)
@@ -498,9 +506,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write one JSON line per check to this file")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--check-only", action="store_true", help="check every kernel once, time nothing")
     ap.add_argument("--only", nargs="*", default=ALL, choices=ALL)
     args = ap.parse_args(argv)
-    b = Bench(args.quick)
+    b = Bench(args.quick, args.check_only)
     from engine.backend import gpu_name
     print(f"device: {gpu_name()}, measured copy bandwidth {b.copy_gbps:.0f} GB/s (read + write)")
     failures = []
