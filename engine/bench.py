@@ -19,6 +19,7 @@ ceiling (copy bandwidth). Scenarios:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -260,6 +261,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     args = ap.parse_args(argv)
+    if args.hf and not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        print("error: --hf measures transformers in the same run, which needs torch and transformers: "
+              "pip install -e '.[oracle]'", file=sys.stderr)
+        return 2
 
     from engine.model import load_model
     backend = resolve_backend(args.backend)

@@ -153,8 +153,10 @@ class Chat:
     def _encode(self, messages) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def answer(self, text: str, out=sys.stdout, notices=sys.stderr) -> TurnStats:
-        """Stream the reply to `out`. Ctrl-C ends it early (the partial reply is kept)."""
+    def answer(self, text: str, out=None, notices=None) -> TurnStats:
+        """Stream the reply to `out` (stdout); notices go to `notices` (stderr). Ctrl-C ends it early
+        (the partial reply is kept)."""
+        out, notices = out or sys.stdout, notices or sys.stderr
         max_context = self.llm.max_context
         room = min(self.params.max_new_tokens, max(1, max_context // 4))   # kept free for the answer
         convo, dropped = self.conversation.fit(text, lambda m: len(self._encode(m)), max_context - room)

@@ -21,6 +21,16 @@ TIMEOUT_S = 600.0       # a long answer on a busy server may take minutes; a dea
 class ServerError(ValueError):
     """The server refused a request or answered something that is not the OpenAI API."""
 
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status        # the HTTP status of a refusal
+
+    @property
+    def too_long(self) -> bool:
+        """A 400 saying that the conversation does not fit the server's context or KV pool."""
+        text = str(self).lower()
+        return self.status == 400 and any(word in text for word in ("context", "does not fit", "kv pool"))
+
 
 def _error_message(err: urllib.error.HTTPError) -> str:
     """The message of an OpenAI-style error body ({"error": {"message": ...}}), or the HTTP reason."""
@@ -70,7 +80,7 @@ class RemoteChat:
         try:
             return urllib.request.urlopen(request, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as err:
-            raise ServerError(f"{self.base}{path}: {_error_message(err)}") from None
+            raise ServerError(f"{self.base}{path}: {_error_message(err)}", err.code) from None
         except urllib.error.URLError as err:
             raise ServerError(f"cannot reach {self.base}: {err.reason}") from None
 
@@ -109,7 +119,8 @@ class RemoteChat:
                     continue                      # e.g. a usage-only chunk
                 yield (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason")
 
-    def answer(self, text: str, out=sys.stdout, notices=sys.stderr) -> TurnStats:
+    def answer(self, text: str, out=None, notices=None) -> TurnStats:
+        out, notices = out or sys.stdout, notices or sys.stderr
         history = list(self.conversation.messages)
         while True:
             messages = self.conversation.render(text, history)
@@ -129,7 +140,7 @@ class RemoteChat:
                 out.write(" [stopped]")
                 reason = "cancelled"
             except ServerError as exc:
-                if pieces or not history or "context" not in str(exc).lower():
+                if pieces or not history or not exc.too_long:
                     raise
                 history = history[2:]             # too long for the server: drop the oldest turn, retry
                 notices.write("(context full: dropped the oldest turn)\n")

@@ -6,11 +6,15 @@ A chat model never sees "messages"; it sees one string with special tokens marki
     <|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>...     (Llama 3)
 
 The model ships that format as a Jinja template (tokenizer_config.json "chat_template"). We render it
-the way transformers does, so the text is byte-identical: a sandboxed, immutable Jinja environment
-(templates are untrusted code from the internet), trim_blocks + lstrip_blocks, the loopcontrols
-extension, and the helpers templates call: raise_exception, strftime_now, a tojson that does not
-HTML-escape, dict() and namespace(). Variables: messages, tools, documents, add_generation_prompt, the
-special tokens (bos_token, eos_token, ...) and whatever the caller adds (e.g. date_string for Llama 3).
+the way transformers does, so the text is byte-identical: a sandboxed, immutable Jinja environment,
+trim_blocks + lstrip_blocks, the loopcontrols extension, and the helpers templates call:
+raise_exception, strftime_now, a tojson that does not HTML-escape, dict() and namespace(). Variables:
+messages, tools, documents, add_generation_prompt, the special tokens (bos_token, eos_token, ...) and
+whatever the caller adds (e.g. date_string for Llama 3).
+
+A template is untrusted code from the internet, so it runs with bounded time, memory and output
+(engine/template_sandbox.py); whatever goes wrong, from a syntax error to a template that would loop
+for an hour, ends in a ChatTemplateError within about a second.
 """
 from __future__ import annotations
 
@@ -20,11 +24,22 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.template_sandbox import (
+    BudgetedEnvironment,
+    RenderBudget,
+    active_budget,
+    budget_scope,
+    check_percent_format,
+    weight,
+)
 
 __all__ = ["ChatTemplateError", "render_chat_template", "validate_messages", "ROLES"]
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
+RENDER_SECONDS = 0.5                 # template execution; real templates take a few ms
+MAX_TEMPLATE_CHARS = 1 << 20         # real templates are a few kB; Llama 3.1's is 5 kB
+BASE_SIZE_LIMIT = 1 << 20            # any value or the output: 1 MiB + 4x the conversation's size
 
 
 class ChatTemplateError(ValueError):
@@ -67,6 +82,8 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 
 def _strftime_now(fmt):
+    fmt = str(fmt)
+    check_percent_format(active_budget(), fmt, ())   # '%10000000Y' pads like printf
     return datetime.now().strftime(fmt)
 
 
@@ -100,17 +117,27 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
 
 
-@functools.lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per template string (the chat loop renders the same template every turn)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"chat template must be a string, got {type(source).__name__}")
+    return _compile(source)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(f"chat template is {len(source):,} characters; the limit is {MAX_TEMPLATE_CHARS:,}")
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.add_filter("tojson", _tojson)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_TemplateDict(), namespace=_Namespace)
     try:
-        return env.from_string(source)
+        return env.from_string(env.parse_checked(source))
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from None
+    except (RecursionError, MemoryError) as e:   # (((((...))))) nested past what the parser can hold
+        raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}") from None
 
 
 def render_chat_template(template: str, messages, add_generation_prompt: bool = True, tools=None, documents=None,
@@ -118,8 +145,19 @@ def render_chat_template(template: str, messages, add_generation_prompt: bool = 
     """messages -> prompt text. template_kwargs reach the template as variables (bos_token, date_string, ...)."""
     messages = validate_messages(messages)
     compiled = compile_template(template)
+    inputs = (messages, tools, documents, template_kwargs)
+    budget = RenderBudget(BASE_SIZE_LIMIT + 4 * weight(inputs), RENDER_SECONDS)
+    pieces = []
     try:
-        return compiled.render(messages=messages, tools=tools, documents=documents,
-                               add_generation_prompt=add_generation_prompt, **template_kwargs)
+        with budget_scope(budget):
+            for piece in compiled.generate(messages=messages, tools=tools, documents=documents,
+                                           add_generation_prompt=add_generation_prompt, **template_kwargs):
+                pieces.append(piece)
+                budget.tick()
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template refused the conversation: {e}") from None
+    except (RecursionError, MemoryError) as e:
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__} (runaway recursion or size)") from None
+    except Exception as e:   # a template is code: TypeError, ZeroDivisionError, OverflowError, ...
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+    return "".join(pieces)

@@ -12,7 +12,9 @@ Where it lives:
     ENGINE_CACHE_DIR     cache root (default ~/.cache/llm-engine)
 
 A directory counts as finished only when its marker file (written last, before the rename that
-publishes the directory) names the expected source checksum and converter version.
+publishes the directory) names the expected source checksum and converter version, and every file
+it lists still has the size (and, if it was touched since, the sha256) written at conversion. A
+truncated or altered cache is rebuilt.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from engine.gguf_convert import (CONVERTER_VERSION, GGUFConversionError, convert_gguf,
+from engine.gguf_convert import (CONVERTER_VERSION, MARKER_FILE, GGUFConversionError, check_files, convert_gguf,
                                  print_progress, read_marker)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -51,10 +53,17 @@ def cache_root(cache_dir=None) -> Path:
 
 
 def is_converted(model_dir: Path) -> bool:
+    return cache_problem(model_dir) is None
+
+
+def cache_problem(model_dir: Path) -> str | None:
+    """None when model_dir is a finished, intact conversion of the expected GGUF; else what is wrong."""
     marker = read_marker(model_dir)
-    return (marker is not None and marker.get("source_sha256") == GGUF_SHA256
-            and marker.get("converter_version") == CONVERTER_VERSION
-            and (model_dir / "config.json").is_file())
+    if marker is None:
+        return f"{model_dir} has no readable {MARKER_FILE} (conversion unfinished)"
+    if marker.get("source_sha256") != GGUF_SHA256 or marker.get("converter_version") != CONVERTER_VERSION:
+        return f"{model_dir} was converted from another file or by another converter version"
+    return check_files(model_dir, marker)
 
 
 def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
@@ -72,6 +81,9 @@ def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
     log = print_progress if progress else (lambda message, transient=False: None)
     try:
         model_dir.parent.mkdir(parents=True, exist_ok=True)
+        problem = cache_problem(model_dir) if model_dir.exists() else None
+        if problem:
+            log(f"rebuilding the cached default model: {problem}")
         _remove_leftovers(model_dir)
         work = model_dir.parent / f"{MODEL_NAME}.download-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
@@ -87,7 +99,8 @@ def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
             shutil.rmtree(work, ignore_errors=True)
     except (GGUFConversionError, OSError) as e:
         raise DefaultModelError(f"converting the default model into {model_dir} failed: {e}. "
-                                f"Alternatively, {HOW_TO_OVERRIDE}.") from e
+                                f"Deleting the folder {model_dir} makes the next run start over; "
+                                f"alternatively, {HOW_TO_OVERRIDE}.") from e
     return model_dir
 
 

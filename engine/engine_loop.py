@@ -299,7 +299,9 @@ class EngineLoop:
                     self._iteration(llm, pending, cancels)
                 except BaseException as exc:     # a bug, not a model error: fail everything, start afresh
                     self._fail_all(exc)
-                    self.scheduler = llm.new_scheduler()
+                    with self._cv:               # the next submission's id is the new scheduler's first
+                        first = min([h.request_id for h in self._pending], default=self._next_id)
+                    self.scheduler = llm.new_scheduler(first_request_id=first)
                     if not isinstance(exc, Exception):
                         raise
                 finally:

@@ -1,7 +1,8 @@
 """`python -m engine.env`: the first thing a workshop participant runs (chapter 00).
 
 Prints one [OK] / [FAIL] / [SKIP] line per component and exits 0 only when the chosen backend
-(--backend, default auto) can run. With auto that is always true: NumPy is the fallback, and the
+(--backend, default auto) can run. A missing GPU stack is [SKIP], not [FAIL], unless --backend cupy
+was asked for. With auto that is always true: NumPy is the fallback, and the
 last line says which backend will run and, if it is not CuPy, why.
 """
 from __future__ import annotations
@@ -19,11 +20,20 @@ def line(status: str, what: str, detail: str = "") -> None:
     print(f"[{status}] {what:<16} {detail}".rstrip())
 
 
-def check_gpu_stack() -> None:
+ENABLE_GPU = "to enable the GPU: pip install -e '.[cuda12]' (or '.[cuda13]') on a machine with an NVIDIA GPU"
+
+
+def check_gpu_stack(required: bool) -> None:
+    """GPU components; a missing one is a [FAIL] only when the CuPy backend was asked for, else [SKIP]:
+    the NumPy backend runs everything, and the line says what would enable the GPU."""
+    missing = "FAIL" if required else "SKIP"
     try:
         import cupy
+    except ImportError:
+        line(missing, "CuPy", f"not installed; the NumPy backend runs instead ({ENABLE_GPU})")
+        return
     except Exception as exc:
-        line("FAIL", "CuPy", f"not importable ({type(exc).__name__}); GPU cells will be skipped")
+        line(missing, "CuPy", f"installed but fails to import ({type(exc).__name__}); NumPy backend runs instead")
         return
     line("OK", "CuPy", cupy.__version__)
     rt = cupy.cuda.runtime
@@ -34,7 +44,7 @@ def check_gpu_stack() -> None:
     else:
         why = "no NVIDIA driver is installed or visible"
     if driver == 0:
-        line("FAIL", "CUDA driver", why)
+        line(missing, "CUDA driver", f"{why}; the NumPy backend runs instead")
         return
     line("OK", "CUDA driver", _cuda_version(driver))
     try:
@@ -52,7 +62,8 @@ def check_gpu_stack() -> None:
         line("OK", f"GPU {i}", f"{name}, compute capability {p['major']}.{p['minor']}, "
                                 f"{p['totalGlobalMem'] / 2**30:.1f} GiB, {p['multiProcessorCount']} SMs")
     reason = cupy_unavailable_reason()
-    line("OK" if reason is None else "FAIL", "NVRTC kernel", "compiled and ran a bf16 test kernel" if reason is None else reason)
+    line("OK" if reason is None else missing, "NVRTC kernel",
+         "compiled and ran a bf16 test kernel" if reason is None else reason)
 
 
 def _cuda_version(v: int) -> str:
@@ -81,7 +92,7 @@ def main(argv=None) -> int:
     line("OK" if ok_py else "FAIL", "Python", f"{platform.python_version()} ({sys.executable})")
     import numpy
     line("OK", "NumPy", numpy.__version__)
-    check_gpu_stack()
+    check_gpu_stack(required=args.backend == "cupy")
     check_tools()
     try:
         backend = resolve_backend(args.backend)

@@ -5,24 +5,18 @@ decode:  feed the one new token at its absolute position, attend to everything c
 
 `ChatSession` keeps its cache between turns: the next prompt usually starts with the whole
 conversation so far, so only the tokens after the common prefix are computed (the cached prefix is
-reused, the way vLLM's prefix caching saves work). engine.chat streams from it.
+reused, the way vLLM's prefix caching saves work). On the GPU its decode step is a CUDA graph.
+`python -m engine.chat` does the same through the engine loop (engine.LLM.submit with a session),
+which shares one KV pool between many conversations; this class is the one-sequence version.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model
 from engine.sampling import SamplingParams, resolve_seed, sample, step_uniform
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from engine.scheduler import common_prefix
 
 
 class ChatSession:

@@ -27,11 +27,14 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
+from engine.config import ConfigError, config_from_dict
+from engine.gguf_reader import GGUFFormatError, TensorInfo, read_gguf
+from engine.tokenizer import Tokenizer, TokenizerError
 from engine.weights import expected_shapes  # the one shape rule, shared with the loader
 
 CONVERTER_VERSION = 1          # bump when the output changes, so caches get rebuilt
@@ -97,29 +100,35 @@ def _quiet(message: str, transient: bool = False) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading metadata
+# Typed access to metadata: every value the converter uses is checked before it is used
 
-def read_metadata(reader) -> dict:
-    """All key/value fields of a gguf.GGUFReader as plain Python values (str, int, float, bool, list).
+MAX_DIMENSION = 1 << 20        # hidden/intermediate sizes, head counts: far above any real model
+MAX_CONTEXT = 1 << 24
 
-    A ReaderField keeps the raw pieces of the record in `parts`; `data` indexes the pieces that
-    hold values (one for a scalar, one per element for an array).
-    """
-    import gguf
 
-    metadata = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):          # header bookkeeping (version, counts), not metadata
-            continue
-        values = [field.parts[i] for i in field.data]
-        element_type = field.types[-1]
-        if element_type == gguf.GGUFValueType.STRING:
-            values = [bytes(v).decode("utf-8") for v in values]
-        else:
-            values = [v[0].item() for v in values]
-        is_array = field.types[0] == gguf.GGUFValueType.ARRAY
-        metadata[name] = values if is_array else values[0]
-    return metadata
+def _int_field(metadata: dict, name: str, default=None, minimum: int = 1, maximum: int = MAX_DIMENSION) -> int:
+    value = metadata.get(name, default)
+    if value is None:
+        raise GGUFConversionError(f"GGUF metadata is missing {name!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise GGUFConversionError(f"GGUF metadata {name!r} = {value!r} must be an integer in [{minimum}, {maximum}]")
+    return value
+
+
+def _float_field(metadata: dict, name: str, default: float, minimum: float, maximum: float) -> float:
+    value = metadata.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value <= maximum:
+        raise GGUFConversionError(f"GGUF metadata {name!r} = {value!r} must be a number in [{minimum:g}, {maximum:g}]")
+    return _shortest_float(value)
+
+
+def _list_field(metadata: dict, name: str, element_type: type, default=None) -> list:
+    value = metadata.get(name, default)
+    if value is None:
+        raise GGUFConversionError(f"GGUF metadata is missing {name!r}")
+    if not isinstance(value, list) or not all(isinstance(v, element_type) and not isinstance(v, bool) for v in value):
+        raise GGUFConversionError(f"GGUF metadata {name!r} must be an array of {element_type.__name__}")
+    return value
 
 
 def _shortest_float(value: float) -> float:
@@ -136,16 +145,16 @@ def build_config(metadata: dict, vocab_size: int, tied: bool) -> dict:
         raise GGUFConversionError(
             f"unsupported GGUF architecture {arch!r}: only 'llama' (Llama, SmolLM, ...) is supported")
 
-    def key(name, default=None):
-        value = metadata.get(f"llama.{name}", default)
-        if value is None:
-            raise GGUFConversionError(f"GGUF metadata is missing 'llama.{name}'")
-        return value
+    def key(name, default=None, minimum=1, maximum=MAX_DIMENSION):
+        return _int_field(metadata, f"llama.{name}", default, minimum, maximum)
 
-    if key("expert_count", 0) > 0:
+    if key("expert_count", 0, minimum=0) > 0:
         raise GGUFConversionError("mixture-of-experts Llama GGUFs (llama.expert_count > 0) are not supported")
     hidden, n_heads = key("embedding_length"), key("attention.head_count")
     n_kv_heads = key("attention.head_count_kv", n_heads)
+    if hidden % n_heads or n_heads % n_kv_heads:
+        raise GGUFConversionError(f"head counts do not fit: embedding_length {hidden}, head_count {n_heads}, "
+                                  f"head_count_kv {n_kv_heads} (need hidden % heads == 0 and heads % kv_heads == 0)")
     head_dim = key("attention.key_length", hidden // n_heads)
     if key("attention.value_length", head_dim) != head_dim:
         raise GGUFConversionError("attention.key_length != attention.value_length is not a Llama model")
@@ -153,8 +162,10 @@ def build_config(metadata: dict, vocab_size: int, tied: bool) -> dict:
         raise GGUFConversionError(
             f"partial rotary embeddings (rope.dimension_count {key('rope.dimension_count')} != head_dim "
             f"{head_dim}) are not supported")
+    if head_dim % 2:
+        raise GGUFConversionError(f"head_dim {head_dim} is odd: rotary embeddings rotate pairs")
 
-    bos, eos_ids = metadata.get("tokenizer.ggml.bos_token_id"), eos_token_ids(metadata)
+    bos, eos_ids = _token_id(metadata, "bos_token_id", vocab_size), eos_token_ids(metadata, vocab_size)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -164,10 +175,10 @@ def build_config(metadata: dict, vocab_size: int, tied: bool) -> dict:
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": _shortest_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _shortest_float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _float_field(metadata, "llama.attention.layer_norm_rms_epsilon", 1e-5, 1e-12, 1.0),
+        "rope_theta": _float_field(metadata, "llama.rope.freq_base", 10000.0, 1.0, 1e12),
         "rope_scaling": build_rope_scaling(metadata),
-        "max_position_embeddings": key("context_length"),
+        "max_position_embeddings": key("context_length", maximum=MAX_CONTEXT),
         "vocab_size": vocab_size,
         "tie_word_embeddings": tied,
         "bos_token_id": bos,
@@ -180,19 +191,25 @@ def build_config(metadata: dict, vocab_size: int, tied: bool) -> dict:
 
 
 def build_rope_scaling(metadata: dict) -> dict | None:
+    """Only unscaled RoPE is expressible: GGUF does not store Llama 3's scaling parameters, and the
+    engine implements no other scaling (a `linear` config would be refused at load)."""
     kind = metadata.get("llama.rope.scaling.type", "none")
     if kind == "none":
         return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _shortest_float(metadata["llama.rope.scaling.factor"])}
-    raise GGUFConversionError(f"unsupported RoPE scaling {kind!r} (supported: none, linear)")
+    raise GGUFConversionError(f"unsupported RoPE scaling {kind!r} (supported: none)")
 
 
-def eos_token_ids(metadata: dict) -> list[int]:
+def _token_id(metadata: dict, name: str, vocab_size: int) -> int | None:
+    if metadata.get(f"tokenizer.ggml.{name}") is None:
+        return None
+    return _int_field(metadata, f"tokenizer.ggml.{name}", minimum=0, maximum=vocab_size - 1)
+
+
+def eos_token_ids(metadata: dict, vocab_size: int) -> list[int]:
     """Every id the GGUF names as an end of generation: eos, end-of-turn, end-of-message."""
     ids = []
     for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = metadata.get(f"tokenizer.ggml.{name}")
+        value = _token_id(metadata, name, vocab_size)
         if value is not None and value not in ids:
             ids.append(value)
     return ids
@@ -208,19 +225,18 @@ def check_tensor_type(tensor) -> None:
             f"tensor {tensor.name!r} has type {kind}; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
 
 
-def dequantize(tensor) -> np.ndarray:
-    """One gguf ReaderTensor -> float32 array in row-major (PyTorch) order.
+def dequantize(tensor: TensorInfo) -> np.ndarray:
+    """One GGUF tensor -> float32 array in row-major (PyTorch) order.
 
     GGUF lists dimensions fastest-first (ne0 = row length), so a [out, in] linear weight is
-    recorded as (in, out); reversed, it is exactly the Hugging Face layout.
+    recorded as (in, out); reversed (`tensor.shape`), it is exactly the Hugging Face layout.
     """
     import gguf
 
     check_tensor_type(tensor)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     # vectorized over all blocks at once: ~0.7 s for SmolLM2's 49152 x 576 Q8_0 embedding
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(tensor.shape)
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -255,12 +271,15 @@ def hf_tensor_name(name: str) -> str:
     raise GGUFConversionError(f"unexpected tensor {name!r} for a Llama model")
 
 
-def convert_tensors(reader, config: dict, progress: Progress) -> dict[str, np.ndarray]:
-    """Dequantize every tensor, rename it, un-permute q/k; check the set and shapes against config."""
-    by_name = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:   # refuse before spending time on the big ones
+def convert_tensors(tensors: list[TensorInfo], config: dict, progress: Progress) -> dict[str, np.ndarray]:
+    """Dequantize every tensor, rename it, un-permute q/k; check the set and shapes against config first."""
+    by_name = {t.name: t for t in tensors}
+    for t in tensors:   # refuse before spending time on the big ones
         hf_tensor_name(t.name)
         check_tensor_type(t)
+    layers = config["num_hidden_layers"]
+    if layers * len(LAYER_TENSOR_NAMES) > len(tensors):   # before listing 9 names per claimed layer
+        raise GGUFConversionError(f"llama.block_count is {layers} but the file holds only {len(tensors)} tensors")
     expected = expected_shapes(config)
     renamed = {hf_tensor_name(name): name for name in by_name}
     missing = sorted(set(expected) - set(renamed))
@@ -269,15 +288,19 @@ def convert_tensors(reader, config: dict, progress: Progress) -> dict[str, np.nd
     extra = sorted(set(renamed) - set(expected))
     if extra:
         raise GGUFConversionError(f"GGUF has tensors that do not fit the config: {extra[:5]}")
+    for hf_name, shape in expected.items():
+        t = by_name[renamed[hf_name]]
+        if t.shape != shape:
+            raise GGUFConversionError(f"{t.name} has shape {list(t.shape)}, config says {list(shape)}")
 
     tensors = {}
     for i, hf_name in enumerate(expected, start=1):
         t = by_name[renamed[hf_name]]
-        progress(f"dequantize [{i}/{len(expected)}] {t.name} {t.tensor_type.name} "
-                 f"{list(reversed(t.shape.tolist()))}", transient=True)
-        w = dequantize(t)
-        if w.shape != expected[hf_name]:
-            raise GGUFConversionError(f"{t.name} has shape {w.shape}, config says {expected[hf_name]}")
+        progress(f"dequantize [{i}/{len(expected)}] {t.name} {t.tensor_type.name} {list(t.shape)}", transient=True)
+        with np.errstate(over="ignore", invalid="ignore"):   # garbage scales: reported just below
+            w = dequantize(t)
+        if not np.isfinite(w).all():
+            raise GGUFConversionError(f"tensor {t.name} holds NaN or infinite values after dequantization")
         if hf_name.endswith("q_proj.weight"):
             w = unpermute_rows(w, config["num_attention_heads"])
         elif hf_name.endswith("k_proj.weight"):
@@ -301,18 +324,21 @@ def build_tokenizer_files(metadata: dict, config: dict) -> tuple[dict, dict]:
         raise GGUFConversionError(
             f"unsupported GGUF pre-tokenizer {pre!r} (supported: {', '.join(sorted(PRE_TOKENIZERS))}); "
             "its splitting rules are hard-coded in llama.cpp and not stored in the file")
-    tokens = metadata["tokenizer.ggml.tokens"]
-    types = metadata.get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))
-    merges = metadata.get("tokenizer.ggml.merges")
-    if merges is None:
-        raise GGUFConversionError("GGUF byte-level BPE vocabulary has no tokenizer.ggml.merges")
+    tokens = _list_field(metadata, "tokenizer.ggml.tokens", str)
+    types = _list_field(metadata, "tokenizer.ggml.token_type", int, [TOKEN_NORMAL] * len(tokens))
+    merges = _list_field(metadata, "tokenizer.ggml.merges", str)
+    if len(types) != len(tokens):
+        raise GGUFConversionError(f"GGUF has {len(tokens)} tokens but {len(types)} token types")
+    if len(tokens) != config["vocab_size"]:
+        raise GGUFConversionError(f"GGUF has {len(tokens)} tokens but token_embd.weight has "
+                                  f"{config['vocab_size']} rows")
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFConversionError("GGUF vocabulary has duplicate tokens")
 
     added = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": kind in SPECIAL_TOKEN_TYPES}
-             for i, (token, kind) in enumerate(zip(tokens, types))
+             for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
              if kind in SPECIAL_TOKEN_TYPES or kind == TOKEN_USER_DEFINED]
     tokenizer = {
         "version": "1.0",
@@ -331,7 +357,7 @@ def build_tokenizer_files(metadata: dict, config: dict) -> tuple[dict, dict]:
     }
 
     def token(key):
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        token_id = _token_id(metadata, key, len(tokens))
         return tokens[token_id] if token_id is not None else None
 
     tokenizer_config = {
@@ -347,16 +373,19 @@ def build_tokenizer_files(metadata: dict, config: dict) -> tuple[dict, dict]:
         "tokenizer_class": "GPT2Tokenizer",
     }
     if "tokenizer.chat_template" in metadata:
+        if not isinstance(metadata["tokenizer.chat_template"], str):
+            raise GGUFConversionError("GGUF metadata 'tokenizer.chat_template' must be a string")
         tokenizer_config["chat_template"] = metadata["tokenizer.chat_template"]
     return tokenizer, tokenizer_config
 
 
-def build_generation_config(metadata: dict) -> dict:
-    eos = eos_token_ids(metadata)
-    generation = {"bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+def build_generation_config(metadata: dict, vocab_size: int) -> dict:
+    eos = eos_token_ids(metadata, vocab_size)
+    generation = {"bos_token_id": _token_id(metadata, "bos_token_id", vocab_size),
                   "eos_token_id": eos[0] if len(eos) == 1 else eos}
-    if "tokenizer.ggml.padding_token_id" in metadata:
-        generation["pad_token_id"] = metadata["tokenizer.ggml.padding_token_id"]
+    pad = _token_id(metadata, "padding_token_id", vocab_size)
+    if pad is not None:
+        generation["pad_token_id"] = pad
     return generation
 
 
@@ -369,6 +398,61 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_record(path: Path) -> dict:
+    """What the marker remembers of each written file, to notice a truncated or altered cache later."""
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(path)}
+
+
+def check_files(model_dir: Path, marker: dict) -> str | None:
+    """None when every file the marker lists is as written, else what is wrong.
+
+    Sizes are always compared; a file whose modification time changed is hashed again (a cache
+    copied elsewhere passes, and its marker is updated so the hash runs once)."""
+    records = marker.get("files")
+    if not isinstance(records, dict) or not records:   # an older converter's marker: upgrade it if sound
+        problem = _safetensors_incomplete(Path(model_dir) / "model.safetensors")
+        if problem:
+            return problem
+        records = marker["files"] = {p.name: file_record(p) for p in sorted(Path(model_dir).iterdir())
+                                     if p.name != MARKER_FILE and p.is_file()}
+        moved = True
+    else:
+        moved = False
+    for name, record in records.items():
+        path = Path(model_dir) / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return f"{path} is missing"
+        if stat.st_size != record.get("bytes"):
+            return f"{path} has {stat.st_size:,} bytes, {record.get('bytes')} were written (truncated?)"
+        if stat.st_mtime_ns != record.get("mtime_ns"):
+            if sha256_file(path) != record.get("sha256"):
+                return f"{path} was modified since conversion (checksum differs)"
+            record["mtime_ns"], moved = stat.st_mtime_ns, True
+    if moved:
+        try:
+            _write_json(Path(model_dir) / MARKER_FILE, marker)
+        except OSError:
+            pass   # read-only cache: it is verified by hash each time instead
+    return None
+
+
+def _safetensors_incomplete(path: Path) -> str | None:
+    """A safetensors file is complete when its size is header + the end of its last tensor."""
+    try:
+        with open(path, "rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(header_bytes, 100 << 20)))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        expected = 8 + header_bytes + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path} is unreadable or malformed ({type(e).__name__})"
+    size = path.stat().st_size
+    return None if size == expected else f"{path} has {size:,} bytes, its header says {expected:,} (truncated?)"
 
 
 def read_marker(model_dir: Path) -> dict | None:
@@ -385,8 +469,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Path:
     """Convert `gguf_path` into a new Hugging Face directory `out_dir` (which must not exist yet)."""
-    import gguf
-    from engine.safetensors import save_file
+    from engine.safetensors import save_file  # looked up at call time: tests replace it
 
     progress = progress or _quiet
     start = time.perf_counter()
@@ -394,19 +477,28 @@ def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Pat
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GGUFConversionError(f"output directory {out_dir} already exists and is not empty")
     try:
-        reader = gguf.GGUFReader(gguf_path)
-    except (OSError, ValueError) as e:
-        raise GGUFConversionError(f"cannot read {gguf_path} as GGUF: {e}") from e
-    metadata = read_metadata(reader)
+        reader = read_gguf(gguf_path)
+    except GGUFFormatError as e:
+        raise GGUFConversionError(f"cannot read {gguf_path} as GGUF: {e}") from None
+    metadata = reader.metadata
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embedding is None:
-        raise GGUFConversionError("GGUF has no token_embd.weight tensor")
+    if embedding is None or len(embedding.shape) != 2:
+        raise GGUFConversionError("GGUF has no two-dimensional token_embd.weight tensor")
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    config = build_config(metadata, vocab_size=int(embedding.shape[1]), tied=tied)
+    config = build_config(metadata, vocab_size=embedding.shape[0], tied=tied)
+    generation_config = build_generation_config(metadata, config["vocab_size"])
+    try:   # never write a directory that the loader would refuse
+        config_from_dict(config, generation_config)
+    except ConfigError as e:
+        raise GGUFConversionError(f"the converted config would not load: {e}") from None
     tokenizer, tokenizer_config = build_tokenizer_files(metadata, config)
+    try:   # nor a tokenizer it would refuse
+        Tokenizer(tokenizer, tokenizer_config)
+    except TokenizerError as e:
+        raise GGUFConversionError(f"the converted tokenizer would not load: {e}") from None
     progress(f"converting {gguf_path.name}: {config['num_hidden_layers']} layers, "
              f"vocab {config['vocab_size']}, {len(reader.tensors)} tensors")
-    tensors = convert_tensors(reader, config, progress)
+    tensors = convert_tensors(reader.tensors, config, progress)
 
     tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -416,13 +508,14 @@ def convert_gguf(gguf_path, out_dir, *, progress: Progress | None = None) -> Pat
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"}, dtype="BF16")
         del tensors
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", build_generation_config(metadata))
+        _write_json(tmp / "generation_config.json", generation_config)
         _write_json(tmp / "tokenizer.json", tokenizer)
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         # last: its presence is what says "this directory is complete"
         _write_json(tmp / MARKER_FILE, {"converter_version": CONVERTER_VERSION,
                                         "source_file": gguf_path.name,
-                                        "source_sha256": sha256_file(gguf_path)})
+                                        "source_sha256": sha256_file(gguf_path),
+                                        "files": {p.name: file_record(p) for p in sorted(tmp.iterdir())}})
         if out_dir.exists():          # an empty directory is replaced
             out_dir.rmdir()
         os.rename(tmp, out_dir)

@@ -527,6 +527,11 @@ def main(argv=None) -> int:
     ap.add_argument("--check-only", action="store_true", help="check every kernel once, time nothing")
     ap.add_argument("--only", nargs="*", default=ALL, choices=ALL)
     args = ap.parse_args(argv)
+    from engine.backend import cupy_unavailable_reason
+    reason = cupy_unavailable_reason()
+    if reason is not None:   # one line, not a traceback: this tool only measures CUDA kernels
+        print(f"engine.kernel_bench needs a CUDA GPU with CuPy: {reason}", file=sys.stderr)
+        return 2
     b = Bench(args.quick, args.check_only)
     from engine.backend import gpu_name
     print(f"device: {gpu_name()}, measured copy bandwidth {b.copy_gbps:.0f} GB/s (read + write)")

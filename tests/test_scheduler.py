@@ -9,7 +9,8 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.paged_kv import PageAllocator, SlotAllocator
 from engine.sampling import SamplingParams
@@ -347,7 +348,7 @@ def simulate(setup, fail_rate, cancel_rate):
                    for r in batch.rows]
         sched.complete(batch.batch_id, sampled)
         pool.check_invariants()
-        for row, token in zip(batch.rows, sampled):
+        for row, token in zip(batch.rows, sampled, strict=True):
             generated[row.request_id].append(token)
         for result in sched.pop_finished():
             results[result.request_id] = result
@@ -438,3 +439,65 @@ def test_tight_pools_preempt_often_and_outputs_do_not_change():
         _, log = simulate(setup, fail_rate=0.2, cancel_rate=0.05)
         preemptions += sum(len(entry["preempted"]) for entry in log)
     assert preemptions > 100        # 154 with these seeds: the preemption path is well exercised
+
+
+# ---- sessions: a finished request's pages serve the next request of its conversation -----------
+
+def run_on_fake_cache(batch, cache: dict) -> list[int]:
+    """Write each new token into its slot, then read every row's context back THROUGH ITS BLOCK TABLE:
+    a wrong adopted page (stale, cut too short, shared) changes the sequence the fake model sees."""
+    for slot, token in zip(batch.slot_mapping.tolist(), batch.token_ids.tolist(), strict=True):
+        cache[slot] = token
+    size = batch.block_size
+    return [fake_next_token([cache.get(row.block_table[p // size] * size + p % size, -1)
+                             for p in range(row.context_len)]) for row in batch.rows]
+
+
+@pytest.mark.parametrize("admission", ["conservative", "on_demand"])
+@pytest.mark.parametrize("seed", range(6))
+def test_sessions_reuse_pages_and_stay_exact(admission, seed):
+    """Conversations of several turns (each prompt extends, or edits, the last), interleaved, in a pool
+    small enough to evict parked pages and (on demand) preempt; some batches fail and are retried."""
+    rng = random.Random(seed)
+    max_context = 48
+    sched = Scheduler(PageAllocator(14, 4), max_seqs=3, max_batch_tokens=40, max_context=max_context,
+                      admission=admission)
+    cache, history, expected, reused = {}, {}, {}, 0
+    turns_left = {s: 4 for s in range(4)}
+    live = {}
+    while turns_left or sched.has_unfinished():
+        idle = [s for s in turns_left if s not in live.values()]
+        if idle and rng.random() < 0.5:
+            session = rng.choice(idle)
+            base = history.get(session, [])
+            if base and rng.random() < 0.3:
+                base = base[:rng.randrange(len(base))]          # an edited history: a shorter prefix
+            prompt = (base + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 6))])[-(max_context - 9):]
+            p = params(rng.randrange(1, 8))
+            rid = sched.submit(prompt, p, session=session)
+            live[rid], expected[rid] = session, run_alone(prompt, p, max_context)
+            history[session] = prompt
+            turns_left[session] -= 1
+            if not turns_left[session]:
+                del turns_left[session]
+            continue
+        batch = sched.schedule()
+        if batch is None:
+            continue
+        if rng.random() < 0.15:
+            sched.fail(batch.batch_id)
+            sched.allocator.check_invariants()
+            continue
+        reused += sum(row.start_pos for row in batch.rows if batch.kind == "prefill")
+        sched.complete(batch.batch_id, run_on_fake_cache(batch, cache))
+        sched.allocator.check_invariants()
+        for result in sched.pop_finished():
+            assert (result.token_ids, result.finish_reason) == expected[result.request_id]
+            session = live.pop(result.request_id)
+            history[session] = result.prompt_ids + result.token_ids
+    assert reused > 0, "no turn reused a parked page: the test proves nothing"
+    if admission == "conservative":                # parked pages are evicted, never a request preempted
+        assert sched.num_preemptions == 0
+    assert not sched.snapshot()["running"] and sched.snapshot()["parked_tables"]
+    sched.drop_all_sessions()
+    assert sched.allocator.num_free == sched.allocator.num_blocks

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import codecs
 import random
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 from engine.exercises import check_cases
 from engine.tokenizer import Tokenizer, load_tokenizer

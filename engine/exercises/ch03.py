@@ -149,7 +149,7 @@ def _embedding_kernel_case(rng, V: int, H: int, T: int, threads: int):
              ("the row offset is missing its * H: table[ids[t] + i] instead of table[ids[t] * H + i]",
               flat[(ids[:, None] + np.arange(H)[None, :]) % flat.size])]
     return Case(f"V={V} H={H} T={T}, {threads} threads", (T,), threads, {"ids": ids, "table": table_bits},
-                lambda d: (d["ids"], d["table"], d["out"], np.int32(H)), "f32", embedding_ref(ids, table),
+                lambda d: (d["ids"], d["table"], d["out"], np.int32(V), np.int32(H)), "f32", embedding_ref(ids, table),
                 hints, exact=True, nbytes=T * H * (2 + 4))
 
 

@@ -1,7 +1,7 @@
 """Chapter 04 exercises: RMSNorm, its fused residual add, and the per-thread sums of the kernel."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

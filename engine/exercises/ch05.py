@@ -1,8 +1,8 @@
 """Chapter 05 exercises: RoPE frequencies, Llama 3 scaling, the rotation, and the layout permutation."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import numpy as np
 

@@ -1,7 +1,7 @@
 """Chapter 06 exercises: a stable softmax, the GQA head mapping, causal attention, KV memory."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,7 +68,7 @@ def _no_residual(x, lw, config, positions, cos, sin):
     return linear(swiglu_ref(linear(rmsnorm(a, lw.post_norm, config.rms_norm_eps), lw.gate_up)), lw.down)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_model(preset: str):
     with tempfile.TemporaryDirectory(prefix="ch07_") as d:
         return load_model(write_random_model(d, preset, seed=7, dtype="F32"), backend="numpy")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def check_kv_append(fn: Callable) -> bool:
 
 # ----------------------------------------------------------------------------- the decode loop
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(preset: str):
     """A tiny random-weight model on the NumPy backend (fp32 weights), built once."""
     with tempfile.TemporaryDirectory(prefix="ch08_") as d:

@@ -6,7 +6,7 @@ the checkers of chapters 09-10 take their expected answers from it.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,11 +22,13 @@ STAND_IN_TOKEN = 7
 
 def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy: str, max_seqs: int,
                   max_batch_tokens: int | None = None, arrivals: Sequence[int] | None = None,
-                  allocator: BlockAllocator | None = None, admission: str = "conservative") -> list[dict]:
+                  allocator: BlockAllocator | None = None, admission: str = "conservative",
+                  scheduler_cls: type[Scheduler] = Scheduler) -> list[dict]:
     """The step log of a workload. Request i gets id i and is submitted once arrivals[i] steps have
     run (non-decreasing; default: all before the first step), or earlier when the engine would
     otherwise sit idle. Without an allocator: max_seqs contiguous slots of a context just long
-    enough for the longest request. Without max_batch_tokens: no token limit."""
+    enough for the longest request. Without max_batch_tokens: no token limit. scheduler_cls: the
+    Scheduler (sub)class that runs it."""
     n = len(prompt_lens)
     arrivals = list(arrivals) if arrivals is not None else [0] * n
     if not len(max_new) == len(arrivals) == n:
@@ -36,7 +38,7 @@ def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy:
     max_context = max(p + m for p, m in zip(prompt_lens, max_new)) + 1
     allocator = allocator or SlotAllocator(max_seqs, max_context)
     budget = max_batch_tokens or max(max_seqs, sum(prompt_lens) + sum(max_new))
-    sched = Scheduler(allocator, max_seqs, budget, max(max_context, allocator.max_seq_len + 1),
+    sched = scheduler_cls(allocator, max_seqs, budget, max(max_context, allocator.max_seq_len + 1),
                       policy=policy, admission=admission)
     submitted = 0
     while submitted < n or sched.has_unfinished():
@@ -127,3 +129,38 @@ def check_slot_cache_bytes(fn: Callable) -> bool:
              ("one layer was counted; every layer has its own K and V",
               lambda c, s, t, b: s * t * c.kv_bytes_per_token(b) // c.num_hidden_layers)]
     return check_cases("slot_cache_bytes", fn, cases, hints=hints)
+
+
+# ----------------------------------------------------------------------------- in the real model
+
+def check_static_batching_in_model(static_decode_cost: Callable, max_new=(16, 5, 12, 3), batch_size: int = 2) -> bool:
+    """The default model answers four chat prompts with static batching (FIFO groups of batch_size, eos
+    ignored so every answer has exactly max_new[i] tokens). Your static_decode_cost(max_new, batch_size)
+    must predict the decode steps and idle seat-steps that engine.LLM's step log records."""
+    import engine
+    from engine.exercises import call_learner
+    from engine.exercises.serving_check import default_chat_prompts
+    title = "static batching in the model"
+    model_dir, prompts = default_chat_prompts(("What is the capital of France?", "Name a color.",
+                                               "Why is the sky blue?", "Say hi."))
+    llm = engine.LLM(model_dir, backend="numpy", batching="static", max_seqs=batch_size, max_context=256)
+    results = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in max_new])
+    decode = [e for e in llm.last_step_log if e["kind"] == "decode"]
+    measured = (len(decode), sum(e["idle_slots"] for e in decode))
+    for i, r in enumerate(results):
+        print(f"    request {i} ({max_new[i]} tokens): {r.text!r}")
+    call = f"{getattr(static_decode_cost, '__name__', 'fn')}({list(max_new)}, {batch_size})"
+    ok, got = call_learner(title, call, static_decode_cost, list(max_new), batch_size)
+    if not ok:
+        return False
+    try:
+        got = tuple(int(v) for v in got)
+    except (TypeError, ValueError):
+        got = None
+    if got != measured:
+        print(f"[x] {title}: {call} returned {got}, the engine ran {measured[0]} decode steps with "
+              f"{measured[1]} idle seat-steps")
+        return False
+    print(f"[OK] {title}: {call} = {measured}: {measured[0]} decode steps, {measured[1]} idle seat-steps, "
+          f"as engine.LLM's step log says")
+    return True

@@ -1,14 +1,23 @@
 """Chapter 10 exercises: predict the scheduler's timeline by hand, write the policies as a tiny
-simulator, and read latencies off a step log. Every expected answer comes from the real Scheduler
+simulator, read latencies off a step log, and write the scheduler's decisions yourself
+(SchedulerSkeleton), which then runs engine.LLM. Every expected answer comes from the real Scheduler
 (driven by engine.exercises.ch09.run_scheduler), not from a second implementation."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
 from engine.exercises.ch09 import run_scheduler
+from engine.exercises.serving_check import (
+    check_llm_with,
+    compare_step_logs,
+    tiny_model_dir,
+)
+from engine.paged_kv import PageAllocator
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
 from engine.step_log import request_latencies
 
 # The workload of the by-hand exercise: request i has prompt_lens[i] prompt tokens, generates
@@ -133,3 +142,141 @@ class _Log(list):
 
     def __repr__(self) -> str:
         return f"<step_log of {len(self)} steps>"
+
+
+# ----------------------------------------------------------------------------- write schedule() yourself
+
+class SchedulerSkeleton(Scheduler):
+    """engine.scheduler.Scheduler (continuous batching) with its two decisions left to you.
+
+    `schedule()` stays the engine's transaction (it saves the state so that a failed batch can be
+    undone, numbers the batch and writes the step log); what goes into the batch is yours:
+
+      admit_waiting() -> list[Row]
+          A prefill batch. Take requests from the head of `self.waiting` (FIFO, no overtaking) while
+          the head fits: a seat (len(self.running) < self.max_seqs), room in the token budget (the
+          batch's tokens + its tokens <= self.max_batch_tokens; the first one always fits), pages for
+          its tokens now (self.allocator.can_reserve(rid, n)), and with admission == "conservative"
+          its worst case next to everyone's promised ones (self.promised_blocks() + worst_blocks <=
+          self.allocator.num_blocks). Admit with self.admit(rid). Return [] when the head does not fit.
+      decode_running() -> (list[Row], list[int])
+          One decode row per running sequence, oldest first. Each needs room for one more token
+          (self.allocator.can_reserve / reserve(rid, request.num_tokens)). While it does not fit,
+          preempt the NEWEST running request not yet scheduled (self.preempt(rid)); if none is left,
+          preempt the sequence itself. Return (self.decode_row(rid) for the scheduled ones, the
+          preempted ids in preemption order).
+
+    Tools: self.waiting (ids, head first), self.running (ids, oldest first), self.request(rid)
+    (.num_tokens: prompt + generated, .worst_blocks), self.allocator, self.admission.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.policy != "continuous":
+            raise ValueError("the scheduler exercise is continuous batching: use policy='continuous'")
+
+    # ---- yours -----------------------------------------------------------------------------------
+    def admit_waiting(self) -> list:
+        raise NotImplementedError
+
+    def decode_running(self) -> tuple[list, list[int]]:
+        raise NotImplementedError
+
+    # ---- tools -----------------------------------------------------------------------------------
+    @property
+    def waiting(self):
+        return self._waiting
+
+    @property
+    def running(self) -> list[int]:
+        return self._running
+
+    def request(self, request_id: int):
+        return self._requests[request_id]
+
+    def promised_blocks(self) -> int:
+        """Pages promised to the running requests' worst cases (conservative admission)."""
+        return sum(self._requests[rid].worst_blocks for rid in self._running)
+
+    def admit(self, request_id: int):
+        """Move the head of the queue into the batch: reserve its pages, mark it running; its prefill Row."""
+        if not self._waiting or self._waiting[0] != request_id:
+            raise ValueError(f"admit the head of the waiting queue ({list(self._waiting)[:1]}), not {request_id}")
+        request = self._requests[self._waiting.popleft()]
+        self.allocator.reserve(request_id, request.num_tokens)
+        request.status = "running"
+        self._running.append(request_id)
+        return self._row(request, request.prompt_ids + request.generated, start_pos=0)
+
+    def preempt(self, request_id: int) -> None:
+        """Free its pages and put it back at the head of the queue (to be recomputed later)."""
+        self._running.remove(request_id)
+        self._preempt(request_id)
+
+    def decode_row(self, request_id: int):
+        """The decode Row of a running request: its last token at position num_tokens - 1."""
+        request = self._requests[request_id]
+        return self._row(request, request.generated[-1:], start_pos=request.num_tokens - 1)
+
+    # ---- the engine's schedule() calls these two ---------------------------------------------------
+    def _prefill_rows(self):
+        return self.admit_waiting()
+
+    def _decode_rows(self):
+        rows, preempted = self.decode_running()
+        scheduled = {row.request_id for row in rows}
+        self._running = [rid for rid in self._running if rid in scheduled]
+        return rows, preempted
+
+
+def _scheduler_workloads(seed: int):
+    """Stand-in workloads: (prompt_lens, max_new, num_pages, page_size, max_seqs, budget, admission, arrivals)."""
+    rng = np.random.default_rng(seed)
+    yield [5, 3, 8], [4, 6, 2], 64, 4, 2, 100, "conservative", None
+    yield [20, 20, 20], [30, 30, 30], 16, 4, 3, 100, "on_demand", None      # runs out: preemptions
+    yield [4, 4, 4, 4], [40, 40, 40, 40], 12, 4, 4, 100, "on_demand", None  # four running when it runs out
+    yield [4, 6, 2, 9, 3], [30, 9, 40, 25, 30], 12, 4, 5, 12, "on_demand", [0, 0, 1, 2, 2]
+    for i in range(30):
+        n = int(rng.integers(2, 8))
+        admission = ("conservative", "on_demand")[i % 2]
+        lens, news = rng.integers(1, 30, n).tolist(), rng.integers(1, 30, n).tolist()
+        page_size = int(rng.choice([2, 4, 16]))
+        pages = max(-(-(a + b) // page_size) for a, b in zip(lens, news, strict=True)) + int(rng.integers(0, 12))
+        arrivals = np.sort(rng.integers(0, 20, n)).tolist()
+        yield lens, news, pages, page_size, int(rng.integers(1, 5)), int(rng.integers(30, 80)), admission, arrivals
+
+
+def check_scheduler(cls: type, model_dir=None) -> bool:
+    """Your SchedulerSkeleton subclass makes the same decisions as the engine's Scheduler: first on ~30
+    stand-in workloads (tight page pools, token budgets, late arrivals, preemptions), then inside
+    engine.LLM on a tiny random model, where the tokens of every request must match too."""
+    title = "scheduler"
+    count = 0
+    for lens, news, pages, page_size, max_seqs, budget, admission, arrivals in _scheduler_workloads(5):
+        runs = []
+        for scheduler_cls in (Scheduler, cls):
+            try:
+                runs.append(run_scheduler(lens, news, policy="continuous", max_seqs=max_seqs, max_batch_tokens=budget,
+                                          arrivals=arrivals, allocator=PageAllocator(pages, page_size),
+                                          admission=admission, scheduler_cls=scheduler_cls))
+            except NotImplementedError:
+                print(f"[ ] {title}: not attempted yet (a method still raises NotImplementedError)")
+                return False
+            except Exception as e:  # the learner's bug, shown rather than raised
+                print(f"[x] {title}: your scheduler raised {type(e).__name__}: {e}")
+                return False
+        context = (f" (prompts {lens}, max_new {news}, {pages} pages of {page_size}, max_seqs={max_seqs}, "
+                   f"budget={budget}, admission={admission!r}, arrivals={arrivals})")
+        if not compare_step_logs(title, runs[1], runs[0], context):
+            return False
+        count += 1
+    print(f"[OK] {title}: the same step logs as the engine on all {count} stand-in workloads")
+    return check_llm_with(title, model_dir or tiny_model_dir(), *_tiny_requests(), kv_cache_mib=0.05,
+                          scheduler_cls=cls)
+
+
+def _tiny_requests():
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 390, int(n)).tolist() for n in (30, 12, 25, 40, 9)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in (40, 30, 35, 20, 45)]
+    return prompts, params

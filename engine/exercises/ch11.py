@@ -3,11 +3,11 @@ softmax (one key at a time, then merging two partial states, as the split-K kern
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from engine.exercises import check_cases
+from engine.exercises import call_learner, check_cases
 from engine.paged_kv import PageAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
@@ -279,3 +279,121 @@ def check_paged_attention_kernel(source=None) -> bool | None:
                                         reference=False)
     return check_kernel(Exercise("paged_attention kernel", "paged_attention.cu", "paged_attention", "paged_attention",
                                  _paged_kernel_cases, timing), source)
+
+
+# ----------------------------------------------------------------------------- write the page allocator yourself
+
+class PageAllocatorSkeleton(PageAllocator):
+    """engine.paged_kv.PageAllocator with reserve, free and rollback left to you.
+
+    The state (all yours to change):
+      self.free_list   deque of free page numbers: take from the LEFT (popleft), give back on the RIGHT
+      self.tables      {seq_id: [page, page, ...]} the page table of every sequence holding pages
+      self.journal     a list for your undo records since the last commit (commit() clears it)
+    Tools: self.pages_needed(n_tokens) = ceil(n / page_size); self.can_reserve(seq_id, new_len).
+
+      reserve(seq_id, new_len) -> list[int]
+          Grow seq's table (a new one if it has none) to cover positions < new_len; return the pages
+          just taken, in order (maybe []). If it cannot (self.can_reserve is False), raise
+          OutOfBlocks and change nothing. Record what rollback() needs to undo it.
+      free(seq_id)
+          Give all of seq's pages back (append them to the free list in table order) and forget
+          its table. A sequence without a table: raise AllocatorError. Record it for rollback().
+      rollback()
+          Undo every reserve and free since the last commit, newest first, so that the free list
+          (same order!) and the tables are exactly what they were at the last commit.
+    """
+
+    @property
+    def free_list(self):
+        return self._free
+
+    @property
+    def tables(self) -> dict[int, list[int]]:
+        return self._tables
+
+    @property
+    def journal(self) -> list:
+        return self._journal
+
+    def pages_needed(self, n_tokens: int) -> int:
+        return self.blocks_needed(n_tokens)
+
+    def reserve(self, seq_id: int, new_len: int) -> list[int]:
+        raise NotImplementedError
+
+    def free(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def rollback(self) -> None:
+        raise NotImplementedError
+
+
+def _allocator_scripts(seed: int):
+    """(num_pages, page_size, operations): reserve/free/commit/rollback, including ones that must fail."""
+    rng = np.random.default_rng(seed)
+    yield 6, 4, [("reserve", 0, 5), ("reserve", 1, 3), ("commit",), ("reserve", 0, 9), ("free", 1),
+                 ("reserve", 2, 12), ("rollback",), ("reserve", 0, 30), ("free", 7), ("free", 0), ("commit",)]
+    for _ in range(40):
+        ops, lengths = [], {}
+        for _ in range(int(rng.integers(5, 30))):
+            kind = rng.choice(["reserve", "reserve", "reserve", "free", "commit", "rollback"])
+            seq = int(rng.integers(0, 5))
+            if kind == "reserve":
+                lengths[seq] = lengths.get(seq, 0) + int(rng.integers(1, 20))
+                ops.append(("reserve", seq, lengths[seq]))
+            elif kind == "free":
+                lengths.pop(seq, None)
+                ops.append(("free", seq))
+            else:
+                ops.append((str(kind),))
+        yield int(rng.integers(3, 20)), int(rng.choice([1, 4, 16])), ops
+
+
+def _apply(allocator, op) -> str:
+    """Run one operation; what it returned or raised, as text."""
+    from engine.paged_kv import AllocatorError, OutOfBlocks
+    try:
+        result = getattr(allocator, op[0])(*op[1:])
+    except OutOfBlocks:
+        return "raised OutOfBlocks"
+    except AllocatorError:
+        return "raised AllocatorError"
+    return f"returned {result!r}"
+
+
+def check_page_allocator(cls: type, model_dir=None) -> bool:
+    """Your PageAllocatorSkeleton subclass behaves exactly like the engine's PageAllocator on ~40 scripts
+    of reserve/free/commit/rollback (results, errors, free list order and tables after every step), then
+    runs engine.LLM (paged cache, preemptions) with the same step log and tokens as the engine's."""
+    from engine.exercises.serving_check import check_llm_with, tiny_model_dir
+    title = "page_allocator"
+    count = 0
+    for num_pages, page_size, ops in _allocator_scripts(3):
+        engine_alloc = PageAllocator(num_pages, page_size)
+        ok, yours = call_learner(title, f"{cls.__name__}({num_pages}, {page_size})", cls, num_pages, page_size)
+        if not ok:
+            return False
+        for i, op in enumerate(ops):
+            call = f"{op[0]}({', '.join(map(str, op[1:]))})"
+            want = _apply(engine_alloc, op)
+            ok, got = call_learner(title, call, _apply, yours, op)
+            if not ok:
+                return False
+            if got != want or yours.snapshot() != engine_alloc.snapshot():
+                done = "; ".join(f"{o[0]}{o[1:] if len(o) > 1 else ''}" for o in ops[:i])
+                print(f"[x] {title}: operation {i}, {call}, on a pool of {num_pages} pages of {page_size} "
+                      f"(after: {done or 'nothing'}):\n    yours {got}, state {yours.snapshot()}\n"
+                      f"    the engine's {want}, state {engine_alloc.snapshot()}")
+                return False
+        count += 1
+    print(f"[OK] {title}: the same results and states as the engine's on all {count} scripts")
+    return check_llm_with(title, model_dir or tiny_model_dir(), *_tiny_requests(), kv_cache_mib=0.05,
+                          allocator_cls=cls)
+
+
+def _tiny_requests():
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 390, int(n)).tolist() for n in (30, 12, 25, 40, 9)]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in (40, 30, 35, 20, 45)]
+    return prompts, params

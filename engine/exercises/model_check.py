@@ -160,7 +160,7 @@ def _stage_set(yours: dict[str, Callable]) -> dict[str, Callable]:
     return stages
 
 
-def _run(model, prompt_ids: list[int], stages: dict[str, Callable], max_new_tokens: int):
+def _run(model, prompt_ids: list[int], stages: dict[str, Callable], params: SamplingParams):
     """(records, generated ids, final-pass logits) of one full causal pass plus one greedy generation."""
     from engine.generate import ChatSession
     recorder = _Recorder()
@@ -168,15 +168,15 @@ def _run(model, prompt_ids: list[int], stages: dict[str, Callable], max_new_toke
         logits = model.logits(prompt_ids)
         recorder.keep("logits", logits)
         session = ChatSession(model)
-        tokens = list(session.stream(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens)))
+        tokens = list(session.stream(prompt_ids, params))
     return recorder.finish(), tokens
 
 
 @functools.lru_cache(maxsize=4)
-def _engine_run(model_dir: str | None, max_context: int, prompt_ids: tuple, max_new_tokens: int):
+def _engine_run(model_dir: str | None, max_context: int, prompt_ids: tuple, params: SamplingParams):
     """The engine's own run, recorded once per prompt (the records are only read)."""
     model, _ = _default_model(model_dir, max_context)
-    return _run(model, list(prompt_ids), ENGINE_STAGES, max_new_tokens)
+    return _run(model, list(prompt_ids), ENGINE_STAGES, params)
 
 
 def _layer_label(stage: str, call: int, num_layers: int) -> str:
@@ -211,19 +211,24 @@ def _first_divergence(ref: list[Record], got: list[Record]):
 
 
 def check_in_model(yours: dict[str, Callable], prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 16, *,
-                   model_dir: str | None = None, max_context: int = 256) -> ModelCheck:
+                   sampling: SamplingParams | None = None, model_dir: str | None = None,
+                   max_context: int = 256) -> ModelCheck:
     """Run the default model with and without your stages; print where it first diverged (or that the
-    whole model matches) and the text it generated through your code. Truthy only on a full match."""
+    whole model matches) and the text it generated through your code. Truthy only on a full match.
+    Generation is greedy unless `sampling` (an engine.SamplingParams; give it a seed) says otherwise."""
+    params = sampling or SamplingParams(max_new_tokens=max_new_tokens)
+    if params.seed is None and not params.greedy:
+        raise ValueError("give the SamplingParams a seed: both runs must draw the same random numbers")
     unknown = sorted(set(yours) - set(STAGES))
     if unknown or not yours:
         raise ValueError(f"stages must be a non-empty dict over {', '.join(STAGES)}; unknown: {unknown}")
     names = ", ".join(yours)
     model, tok = _default_model(model_dir, max_context)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
-    ref, ref_tokens = _engine_run(model_dir, max_context, tuple(ids), max_new_tokens)
+    ref, ref_tokens = _engine_run(model_dir, max_context, tuple(ids), params)
     engine_text = tok.decode(ref_tokens, skip_special_tokens=True)
     try:
-        got, tokens = _run(model, ids, _stage_set(yours), max_new_tokens)
+        got, tokens = _run(model, ids, _stage_set(yours), params)
     except NotImplementedError:
         print(f"[ ] your {names} inside the model: not attempted yet (it still raises NotImplementedError)")
         return ModelCheck(False, list(yours), engine_text=engine_text)

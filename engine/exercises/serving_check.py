@@ -1,0 +1,102 @@
+"""Chapters 10-11: your Scheduler or PageAllocator class runs engine.LLM, compared step by step with the engine's.
+
+`compare_step_logs` names the first step whose log entry differs; `check_llm_with` runs the same
+prompts through engine.LLM twice (the engine's classes, then yours) and compares the tokens of every
+request and the step logs.
+"""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+from engine.sampling import SamplingParams
+
+# What a step log entry must agree on (timings and the entry's own counters are left out).
+STEP_FIELDS = ("kind", "request_ids", "admitted", "preempted", "recomputed_tokens", "finished", "running",
+               "waiting", "used_blocks", "free_blocks", "tokens")
+
+
+def compare_step_logs(title: str, got: list[dict], want: list[dict], context: str = "") -> bool:
+    """Print the first step (and field) where `got` differs from `want` and return False, else True."""
+    for step, (mine, real) in enumerate(zip(got, want, strict=False)):
+        for name in STEP_FIELDS:
+            if mine.get(name) != real.get(name):
+                print(f"[x] {title}{context}: step {step} differs first, in {name!r}: yours {mine.get(name)!r}, "
+                      f"the engine's {real.get(name)!r}\n    engine's step {step}: {real['kind']} of "
+                      f"{real['request_ids']} (preempted {real['preempted']}, {real['free_blocks']} pages free)")
+                return False
+    if len(got) != len(want):
+        print(f"[x] {title}{context}: your run took {len(got)} steps, the engine's {len(want)}; the first "
+              f"{min(len(got), len(want))} agree")
+        return False
+    return True
+
+
+def run_llm(model_dir, prompts, params, *, kv_cache_mib: float, admission: str, max_seqs: int, **classes):
+    """(token ids per request, step log, texts) of engine.LLM with the given classes."""
+    import engine
+    llm = engine.LLM(model_dir, backend="numpy", kv_cache_mib=kv_cache_mib, admission=admission,
+                     max_seqs=max_seqs, max_context=256, **classes)
+    results = llm.generate(prompts, params)
+    return [r.token_ids for r in results], llm.last_step_log, [r.text for r in results]
+
+
+def check_llm_with(title: str, model_dir, prompts, params, *, kv_cache_mib: float, admission: str = "on_demand",
+                   max_seqs: int = 4, show_text: bool = False, **classes) -> bool:
+    """engine.LLM with your classes vs with the engine's: the same tokens for every request, the same step log."""
+    want_tokens, want_log, _ = run_llm(model_dir, prompts, params, kv_cache_mib=kv_cache_mib,
+                                       admission=admission, max_seqs=max_seqs)
+    try:
+        got_tokens, got_log, texts = run_llm(model_dir, prompts, params, kv_cache_mib=kv_cache_mib,
+                                             admission=admission, max_seqs=max_seqs, **classes)
+    except NotImplementedError:
+        print(f"[ ] {title}: not attempted yet (a method still raises NotImplementedError)")
+        return False
+    except Exception as e:  # the learner's bug, shown rather than raised
+        print(f"[x] {title}: engine.LLM with your class raised {type(e).__name__}: {e}")
+        return False
+    context = f" (engine.LLM, {len(prompts)} requests, {kv_cache_mib} MiB of KV pages, admission={admission!r})"
+    if not compare_step_logs(title, got_log, want_log, context):
+        return False
+    for i, (mine, real) in enumerate(zip(got_tokens, want_tokens, strict=True)):
+        if mine != real:
+            print(f"[x] {title}{context}: request {i} generated {mine}, the engine {real}")
+            return False
+    preempted = sum(len(e["preempted"]) for e in want_log)
+    print(f"[OK] {title}{context}: the same {len(want_log)} steps ({preempted} preemptions) and the same tokens")
+    if show_text:
+        for i, text in enumerate(texts):
+            print(f"    request {i}: {text!r}")
+    return True
+
+
+def default_params(n: int, max_new_tokens: int = 16) -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=max_new_tokens)] * n
+
+
+@functools.cache
+def tiny_model_dir(preset: str = "tiny") -> str:
+    """A tiny random-weight model directory (fp32), written once per process into a temporary folder."""
+    from engine.random_model import write_random_model
+    return str(write_random_model(tempfile.mkdtemp(prefix=f"engine_{preset}_"), preset, seed=8, dtype="F32"))
+
+
+CHAT_PROMPTS = ("What is the capital of France?", "Name three colors.", "What is 2 + 2?")
+
+
+def default_chat_prompts(texts=CHAT_PROMPTS) -> tuple:
+    """(the default model's directory, the token ids of each text as a one-message chat)."""
+    import engine
+    model_dir = engine.ensure_default_model()
+    tok = engine.load_tokenizer(model_dir)
+    return model_dir, [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+                       for t in texts]
+
+
+def check_default_model_with(title: str, kv_cache_mib: float = 5.0, max_new_tokens: int = 16, **classes) -> bool:
+    """The default model (SmolLM2, NumPy backend) answers three chat prompts through engine.LLM with your
+    classes, in a KV pool too small for all three at once (on-demand admission); the same steps and tokens
+    as with the engine's classes."""
+    model_dir, prompts = default_chat_prompts()
+    return check_llm_with(title, model_dir, prompts, default_params(len(prompts), max_new_tokens),
+                          kv_cache_mib=kv_cache_mib, show_text=True, **classes)
