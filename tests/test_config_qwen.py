@@ -99,3 +99,18 @@ def test_transformers_reads_the_same_model(tmp_path, preset):
     assert ours.rope_theta == hf.rope_parameters["rope_theta"]
     assert ours.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
     assert np.isclose(ours.rms_norm_eps, hf.rms_norm_eps)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3"])
+def test_a_learners_rope_runs_after_the_bias_and_norm(tmp_path, preset):
+    """With a NumPy rope override the bias and q/k norm still apply (unfused, before it): a correct
+    rotation gives the engine's logits."""
+    from engine.model import load_model
+    from engine.ops.rope import rope_ref
+    from engine.plugins import use_stage
+    model = load_model(write_random_model(tmp_path, preset), backend="numpy")
+    ids = list(range(3, 40))
+    want = model.logits(ids)
+    with use_stage("rope", rope_ref):
+        got = model.logits(ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
