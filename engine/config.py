@@ -1,7 +1,12 @@
 """Model configuration: config.json (+ generation_config.json) -> a validated dataclass (chapter 01).
 
-Only the Llama family (`LlamaForCausalLM`: Llama 3.x, SmolLM2) is supported. Settings that would
-change the math and that this engine does not implement are refused, never approximated.
+Three families share one forward pass, selected by config.json's `model_type` / `architectures`:
+  * llama  (`LlamaForCausalLM`: Llama 3.x, SmolLM2): the baseline;
+  * qwen2  (`Qwen2ForCausalLM`: Qwen2, Qwen2.5): + a bias on the q, k and v projections (`qkv_bias`);
+  * qwen3  (`Qwen3ForCausalLM`): + an RMSNorm over each q and k head before RoPE (`qk_norm`), and a
+    head_dim of its own (128 when config.json does not say).
+Settings that would change the math and that this engine does not implement are refused, never
+approximated (for Qwen: sliding-window attention when a layer would actually use it).
 
 Both layouts transformers has written are read:
   * older:   top-level `rope_theta` and `rope_scaling` ({"rope_type": "llama3", "factor": ...});
@@ -52,6 +57,8 @@ class ModelShape:
     num_key_value_heads: int
     head_dim: int
     tie_word_embeddings: bool
+    qkv_bias: bool      # Qwen2: q/k/v projections carry a bias ([qkv_dim] per layer)
+    qk_norm: bool       # Qwen3: RMSNorm (weights [head_dim]) over each q and k head before RoPE
 
     @property
     def group_size(self) -> int:
@@ -73,12 +80,15 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class LlamaConfig(ModelShape):
+    """The one config of the forward pass, for every supported family (see the module docstring)."""
+
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
@@ -88,17 +98,18 @@ class LlamaConfig(ModelShape):
     def num_parameters(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         per_layer = h * self.qkv_dim + self.q_dim * h + 3 * h * i + 2 * h
+        per_layer += self.qkv_dim * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + L * per_layer + h + head
 
     def to_hf_dict(self) -> dict:
-        """A config.json dict (older layout) that transformers' LlamaConfig reads back to the same model."""
-        d = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
-        }
+        """A config.json dict (older layout) that transformers reads back to the same model."""
+        d = {"architectures": [FAMILIES[self.model_type]], "model_type": self.model_type, "hidden_act": "silu",
+             "torch_dtype": "bfloat16"}
+        if self.model_type != "qwen2":          # Qwen2 always has its q/k/v biases: no key for them
+            d.update(attention_bias=False, mlp_bias=False)
         for k, v in asdict(self).items():
-            if k in ("extra", "eos_token_ids", "rope_scaling"):
+            if k in ("extra", "eos_token_ids", "rope_scaling", "qkv_bias", "qk_norm", "model_type"):
                 continue
             d[k] = v
         d["rope_scaling"] = None if self.rope_scaling is None else {"rope_type": "llama3", **asdict(self.rope_scaling)}
@@ -146,6 +157,15 @@ def _same(value, allowed: tuple) -> bool:
     return any(type(value) is type(a) and value == a for a in allowed)
 
 
+# model_type -> its architecture name. The family fixes the two variations of the forward pass.
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_QKV_BIAS = {"llama": False, "qwen2": True, "qwen3": False}
+_QK_NORM = {"llama": False, "qwen2": False, "qwen3": True}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}        # transformers' Qwen3Config default; others: hidden / heads
+# Keys the Qwen families define themselves (checked by _check_sliding_window, not by _NEUTRAL)
+_QWEN_OWN = {"qwen2": {"sliding_window", "use_sliding_window", "max_window_layers", "attention_bias"},
+             "qwen3": {"sliding_window", "use_sliding_window", "max_window_layers"}}
+
 # Keys that change the math in a way this engine does not implement: each must be absent or hold
 # one of these values (the first is the one the engine runs).
 _NEUTRAL = {
@@ -171,9 +191,10 @@ _NEUTRAL = {
 }
 
 
-def _check_neutral(d: dict) -> None:
+def _check_neutral(d: dict, model_type: str = "llama") -> None:
+    own = _QWEN_OWN.get(model_type, set())
     for key, allowed in _NEUTRAL.items():
-        if key in d and not _same(d[key], allowed):
+        if key in d and key not in own and not _same(d[key], allowed):
             raise ConfigError(f"config.json: {key}={d[key]!r} changes the math and is not supported "
                               f"(supported: {allowed[0]!r})")
     if "pretraining_tp" in d:   # only splits the GEMMs while training: the same math
@@ -183,6 +204,21 @@ def _check_neutral(d: dict) -> None:
                                     or any(t != "full_attention" for t in layer_types)):
         raise ConfigError(f"config.json: layer_types={layer_types!r} is not supported "
                           "(every layer must be 'full_attention')")
+
+
+def _check_sliding_window(d: dict, num_layers: int) -> None:
+    """Qwen2/Qwen3 (transformers' rule): layer i uses a sliding window when use_sliding_window is true,
+    sliding_window is set and i >= max_window_layers. Any such layer is refused; the keys alone, as
+    every Qwen config.json writes them (use_sliding_window: false), change nothing."""
+    use = read_bool(d, "use_sliding_window", False)
+    window = d.get("sliding_window")
+    if window is not None:
+        read_int(d, "sliding_window", hi=MAX_INT32)
+    first = read_int(d, "max_window_layers", 28, lo=0, hi=MAX_INT32)
+    if use and window is not None and first < num_layers and d.get("layer_types") is None:
+        raise ConfigError(f"config.json: use_sliding_window=true with sliding_window={window} and "
+                          f"max_window_layers={first} puts layers {first}..{num_layers - 1} on sliding-window "
+                          "attention, which is not supported")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,10 +288,21 @@ def _rope(d: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
 # ---------------------------------------------------------------------------------------------
 # Sizes, token ids, the whole config
 
-def model_shape(d: dict) -> ModelShape:
-    """The sizes of a config.json dict, validated (also what the GGUF converter checks its tensors by)."""
+def model_family(d: dict) -> str:
+    """config.json's model_type, checked against its architectures: 'llama', 'qwen2' or 'qwen3'."""
     if not isinstance(d, dict):
         raise ConfigError("config.json must hold a JSON object")
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type not in FAMILIES or (archs and archs != [FAMILIES[model_type]]):
+        supported = ", ".join(f"{t} ({a})" for t, a in FAMILIES.items())
+        raise ConfigError(f"unsupported model: model_type={model_type!r} architectures={archs!r}; "
+                          f"this engine runs: {supported}")
+    return model_type
+
+
+def model_shape(d: dict) -> ModelShape:
+    """The sizes of a config.json dict, validated (also what the GGUF converter checks its tensors by)."""
+    family = model_family(d)
     n_heads = read_int(d, "num_attention_heads")
     n_kv = read_int(d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else n_heads
     if n_heads % n_kv:
@@ -263,6 +310,8 @@ def model_shape(d: dict) -> ModelShape:
     hidden = read_int(d, "hidden_size")
     if d.get("head_dim") is not None:
         head_dim = read_int(d, "head_dim")
+    elif family in _DEFAULT_HEAD_DIM:
+        head_dim = _DEFAULT_HEAD_DIM[family]
     elif hidden % n_heads == 0:
         head_dim = hidden // n_heads
     else:
@@ -276,7 +325,8 @@ def model_shape(d: dict) -> ModelShape:
                       intermediate_size=read_int(d, "intermediate_size"),
                       num_hidden_layers=read_int(d, "num_hidden_layers"),
                       num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
-                      tie_word_embeddings=read_bool(d, "tie_word_embeddings", False))
+                      tie_word_embeddings=read_bool(d, "tie_word_embeddings", False),
+                      qkv_bias=_QKV_BIAS[family], qk_norm=_QK_NORM[family])
 
 
 def _token_ids(v, key: str, vocab_size: int) -> tuple[int, ...]:
@@ -290,16 +340,13 @@ def _token_ids(v, key: str, vocab_size: int) -> tuple[int, ...]:
 
 def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaConfig:
     """Validate a config.json dict; generation_config (if given) adds eos ids."""
-    if not isinstance(d, dict):
-        raise ConfigError("config.json must hold a JSON object")
+    family = model_family(d)
     if generation_config is not None and not isinstance(generation_config, dict):
         raise ConfigError("generation_config.json must hold a JSON object")
-    archs = d.get("architectures") or []
-    if d.get("model_type") != "llama" or (archs and archs != ["LlamaForCausalLM"]):
-        raise ConfigError(f"unsupported model: model_type={d.get('model_type')!r} architectures={archs!r}; "
-                          "this engine runs the Llama family (LlamaForCausalLM) only")
-    _check_neutral(d)
+    _check_neutral(d, family)
     shape = model_shape(d)
+    if family != "llama":
+        _check_sliding_window(d, shape.num_hidden_layers)
     V = shape.vocab_size
     max_positions = read_int(d, "max_position_embeddings", 2048, lo=2, hi=MAX_INT32)
     theta, scaling = _rope(d, max_positions)
@@ -315,7 +362,7 @@ def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaCon
         **asdict(shape),
         rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0, lo_open=False),
         rope_theta=theta, max_position_embeddings=max_positions, rope_scaling=scaling,
-        bos_token_id=bos, eos_token_ids=eos, extra=d,
+        bos_token_id=bos, eos_token_ids=eos, model_type=family, extra=d,
     )
 
 

@@ -148,21 +148,39 @@ class Bench:
 
     def rope(self):
         from engine.config import config_from_dict
-        from engine.ops.rope import rope_qkv, rope_tables
+        from engine.ops.rope import qkv_bias_norm_ref, rope_qkv, rope_tables
         from engine.random_model import PRESETS
-        for preset, T in [("tiny", 45), ("llama-3.2-1b", 2047)]:
+        # Llama: plain rotation. Qwen2: + bias (rope_qkv_bias_norm). Qwen3: + q/k RMSNorm, head_dim 128
+        # at full size, 10 and 24 (fewer pairs than a warp has lanes) in the tiny ones; T=1 is a decode.
+        cases = [("tiny", 45), ("llama-3.2-1b", 2047), ("tiny-qwen2", 45), ("tiny-qwen3", 45),
+                 ("tiny-qwen3-mqa-untied", 7), ("qwen2.5-0.5b", 2047), ("qwen3-0.6b", 2047), ("qwen3-0.6b", 1)]
+        for preset, T in cases:
             cfg = config_from_dict(PRESETS[preset])
             cos_h, sin_h = rope_tables(cfg, 4096)
             cos, sin = self.cp.asarray(cos_h), self.cp.asarray(sin_h)
-            qkv, qkv_h = self.f32(T, cfg.qkv_dim)
+            qkv, qkv_h = self.f32(T, cfg.qkv_dim, scale=3.0)
             pos_h = self.rng.integers(0, 4096, T).astype(np.int32)
             pos = self.cp.asarray(pos_h)
+            extra, extra_h = {}, {}                    # bias [qkv_dim], q_norm / k_norm [D] around 1
+            if cfg.qkv_bias:
+                extra["bias"], extra_h["bias"] = self.f32(cfg.qkv_dim, scale=0.5)
+            for name in ("q_norm", "k_norm") if cfg.qk_norm else ():
+                w, w_h = self.f32(cfg.head_dim, scale=0.2)
+                extra[name], extra_h[name] = w + 1, w_h + 1
             with self.poisoned():
-                out = rope_qkv(qkv, pos, cos, sin, cfg)
-            ref = rope_qkv(qkv_h, pos_h, cos_h, sin_h, cfg)
-            ms = self.time_ms(lambda: rope_qkv(qkv, pos, cos, sin, cfg))
-            self.record("rope_qkv", f"{preset} T={T}", rel_err(bf16_to_f32(out.get()), ref), BF16_TOL / 2, ms,
+                out = rope_qkv(qkv, pos, cos, sin, cfg, **extra)
+            ref = rope_qkv(qkv_h, pos_h, cos_h, sin_h, cfg, **extra_h)
+            ms = self.time_ms(lambda: rope_qkv(qkv, pos, cos, sin, cfg, **extra))
+            kernel = "rope_qkv_bias_norm" if extra else "rope_qkv"
+            self.record(kernel, f"{preset} T={T}", rel_err(bf16_to_f32(out.get()), ref), BF16_TOL / 2, ms,
                         T * cfg.qkv_dim * (4 + 2))
+            if extra:       # what the fusion saves: the same math as CuPy array ops, then rope_qkv
+                unfused = lambda: rope_qkv(qkv_bias_norm_ref(qkv, extra.get("bias"), extra.get("q_norm"),  # noqa: E731,B023
+                                                             extra.get("k_norm"), cfg), pos, cos, sin, cfg)
+                out = unfused()
+                self.record("rope_qkv after CuPy bias/norm (unfused)", f"{preset} T={T}",
+                            rel_err(bf16_to_f32(out.get()), ref), BF16_TOL / 2, self.time_ms(unfused),
+                            T * cfg.qkv_dim * (4 + 2))
 
     def linear(self):
         for M, N, K in [(37, 1001, 577), (2047, 3072, 2048), (2048, 8192 * 2, 2048)]:

@@ -1,4 +1,5 @@
-"""The whole Llama-family forward pass, composed from the ops (chapter 07).
+"""The whole forward pass of the Llama family (and Qwen2 / Qwen3, two switches of it), composed from the ops
+(chapter 07; the appendix on model families).
 
 The same code runs on both backends: each op runs its NumPy reference on NumPy arrays and its CUDA
 kernel on CuPy arrays. The input is a `ForwardBatch`: the token ids of one or more sequences packed
@@ -164,7 +165,8 @@ class Model:
         for i, lw in enumerate(w.layers):
             # --- attention block ---
             qkv = linear(h, lw.qkv)                                # [T, (Hq+2Hkv)*D] fp32
-            qkv = rope_qkv(qkv, pos, self.cos, self.sin, cfg)      # q, k rotated (bf16 on the GPU)
+            qkv = rope_qkv(qkv, pos, self.cos, self.sin, cfg,      # (+ bias, q/k norm) q, k rotated
+                           lw.qkv_bias, lw.q_norm, lw.k_norm)      # (bf16 on the GPU)
             k_cache = v_cache = None
             if cache is not None:
                 k_cache, v_cache = cache.layer(i)
@@ -214,7 +216,7 @@ class Model:
 
 
 def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None) -> Model:
-    """Load a Llama-family model directory (config.json + safetensors) on the chosen backend."""
+    """Load a Llama, Qwen2 or Qwen3 model directory (config.json + safetensors) on the chosen backend."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     b = resolve_backend(backend)

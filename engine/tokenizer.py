@@ -4,7 +4,8 @@ The path from text to ids (chapter 02 draws each step on a real sentence):
 
     text --added tokens--> chunks --pre-tokenizers--> pieces --UTF-8 + byte map--> words --BPE--> ids
 
-1. Added tokens ("<|eot_id|>", "<|im_start|>", ...) are cut out of the raw text first and become one id each.
+1. Added tokens ("<|eot_id|>", "<|im_start|>", ...) are cut out of the raw text first and become one id each;
+   a Unicode normalizer (Qwen's NFC), if the file has one, then applies to the text between them.
 2. Pre-tokenizers split every other chunk into pieces (a regex Split, Digits, the GPT-2 regex of ByteLevel).
 3. Each piece becomes UTF-8 bytes, and every byte one printable character (GPT-2's byte map), so that
    the 256 single-byte tokens cover any input: byte-level BPE never meets an unknown character
@@ -22,6 +23,7 @@ import codecs
 import functools
 import heapq
 import json
+import unicodedata
 from pathlib import Path
 
 import regex
@@ -180,6 +182,17 @@ def _pre_tokenizer_stages(spec: dict | None) -> list:
     return stages
 
 
+def _normalizer(spec: dict | None):
+    """tokenizer.json "normalizer" -> str -> str, or None. Only the Unicode forms (Qwen uses NFC: "e" +
+    U+0301 becomes "é", one character, before pre-tokenization) are implemented."""
+    if spec is None:
+        return None
+    form = spec.get("type")
+    if form not in ("NFC", "NFD", "NFKC", "NFKD"):
+        raise TokenizerError(f"unsupported normalizer {form!r} (implemented: NFC, NFD, NFKC, NFKD)")
+    return functools.partial(unicodedata.normalize, form)
+
+
 # ---------------------------------------------------------------- BPE
 
 
@@ -259,17 +272,23 @@ class AddedTokens:
 
     def __init__(self, tokens: list[dict]):
         self.by_content = {t["content"]: t for t in tokens}
-        self.passes = []
+        self.passes = []   # (normalized, pattern): raw-text tokens first, then those matched after normalizing
         for normalized in (False, True):
             group = sorted((t["content"] for t in tokens if t.get("normalized", not t.get("special")) == normalized),
                            key=len, reverse=True)
             if group:  # alternatives longest first = leftmost-longest with a leftmost-first regex engine
-                self.passes.append(regex.compile("|".join(regex.escape(c) for c in group)))
+                self.passes.append((normalized, regex.compile("|".join(regex.escape(c) for c in group))))
 
-    def split(self, text: str) -> list[tuple[str, int | None]]:
-        """text -> [(chunk, id of the added token or None for ordinary text)], in order."""
+    def split(self, text: str, normalize=None) -> list[tuple[str, int | None]]:
+        """text -> [(chunk, id of the added token or None for ordinary text)], in order. `normalize`
+        (str -> str) applies to ordinary text once the normalized=false tokens are cut out."""
         chunks: list[tuple[str, int | None]] = [(text, None)]
-        for pattern in self.passes:
+        for normalized, pattern in [*self.passes, (True, None)]:
+            if normalized and normalize is not None:
+                chunks = [(normalize(c), None) if i is None else (c, i) for c, i in chunks]
+                normalize = None
+            if pattern is None:
+                break
             chunks = [c for chunk in chunks for c in
                       ([chunk] if chunk[1] is not None else self._split_one(chunk[0], pattern))]
         return [c for c in chunks if c[0] or c[1] is not None]
@@ -354,6 +373,7 @@ class Tokenizer:
             raise TokenizerError(f"unk_token {unk!r} is not in the vocab")
         self._unk_id = None if unk is None else self.vocab[unk]
         self._fuse_unk = bool(model.get("fuse_unk", False))
+        self._normalize = _normalizer(spec.get("normalizer"))
         self._stages = _pre_tokenizer_stages(spec.get("pre_tokenizer"))
         self._post_process = _post_processor(spec.get("post_processor"))
 
@@ -397,8 +417,7 @@ class Tokenizer:
             raise TokenizerError("BPE dropout is a training-time randomization; refusing a tokenizer that uses it")
         if model.get("byte_fallback"):
             raise TokenizerError("byte_fallback BPE (SentencePiece style) is not implemented")
-        if spec.get("normalizer") is not None:
-            raise TokenizerError(f"unsupported normalizer {spec['normalizer'].get('type')!r}: none is implemented")
+        _normalizer(spec.get("normalizer"))     # raises for one that is not implemented
         decoder = spec.get("decoder")
         if decoder is None or decoder.get("type") != "ByteLevel":
             kind = decoder and decoder.get("type")
@@ -424,7 +443,7 @@ class Tokenizer:
             raise TokenizerError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
         limit = None if max_tokens is None else max_tokens - len(self._post_process([])) * add_special_tokens
         ids: list[int] = []
-        for chunk, added_id in self._added.split(text):
+        for chunk, added_id in self._added.split(text, self._normalize):
             if added_id is not None:
                 ids.append(added_id)
             else:

@@ -35,6 +35,9 @@ class LayerWeights:
     post_norm: object     # [H]              fp32
     gate_up: object       # [2*I, H]         gate rows, then up rows
     down: object          # [H, I]
+    qkv_bias: object = None   # [Hq*D + 2*Hkv*D] fp32, q then k then v (Qwen2; None otherwise)
+    q_norm: object = None     # [D] fp32: RMSNorm weights over each q head (Qwen3; None otherwise)
+    k_norm: object = None     # [D] fp32: the same over each k head
 
 
 @dataclass
@@ -50,7 +53,8 @@ def layer_prefix(i: int) -> str:
 
 
 def expected_shapes(config: ModelShape | dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape, for every tensor a Llama checkpoint must hold.
+    """Hugging Face tensor name -> shape, for every tensor a checkpoint of this config must hold
+    (Llama's, plus q/k/v biases for Qwen2 and q_norm/k_norm for Qwen3).
 
     The one rule for both the loader and the GGUF converter (which passes the config.json dict it
     is about to write).
@@ -74,6 +78,12 @@ def expected_shapes(config: ModelShape | dict) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (I, H),
             p + "mlp.down_proj.weight": (H, I),
         })
+        if config.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (config.q_dim,), p + "self_attn.k_proj.bias": (config.kv_dim,),
+                           p + "self_attn.v_proj.bias": (config.kv_dim,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
     return shapes
 
 
@@ -179,9 +189,12 @@ class _Loader:
             r += p.shape[0]
         return out
 
-    def vector(self, name: str):
-        host = np.array(self.ckpt.get_tensor(name), dtype=np.float32)     # [H]: small
-        check_finite(name, host)
+    def vector(self, *names: str):
+        """The named 1-D tensors, concatenated, as fp32 on the backend (norm weights, biases: small)."""
+        parts = [np.array(self.ckpt.get_tensor(n), dtype=np.float32) for n in names]
+        for n, part in zip(names, parts, strict=True):
+            check_finite(n, part)
+        host = np.concatenate(parts)
         return self.xp.asarray(host) if self.gpu else host
 
 
@@ -192,6 +205,7 @@ def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
         layers = []
         for i in range(config.num_hidden_layers):
             p = layer_prefix(i)
+            attn = p + "self_attn."
             layers.append(LayerWeights(
                 input_norm=ld.vector(p + "input_layernorm.weight"),
                 qkv=ld.matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
@@ -200,6 +214,10 @@ def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
                 post_norm=ld.vector(p + "post_attention_layernorm.weight"),
                 gate_up=ld.matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=ld.matrix(p + "mlp.down_proj.weight"),
+                qkv_bias=ld.vector(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
+                if config.qkv_bias else None,
+                q_norm=ld.vector(attn + "q_norm.weight") if config.qk_norm else None,
+                k_norm=ld.vector(attn + "k_norm.weight") if config.qk_norm else None,
             ))
         embed = ld.matrix("model.embed_tokens.weight")
         lm_head = embed if config.tie_word_embeddings else ld.matrix("lm_head.weight")

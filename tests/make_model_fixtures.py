@@ -1,13 +1,16 @@
-"""Write the whole-model oracle fixtures: transformers' fp32 CPU logits of tiny random Llama models.
+"""Write the whole-model oracle fixtures: transformers' fp32 CPU logits of tiny random Llama, Qwen2 and
+Qwen3 models, and transformers' greedy generation from a short prompt.
 
     pip install -e ".[oracle]"        # torch + transformers (CPU is enough)
     python tests/make_model_fixtures.py
 
 Configs come in both layouts: the older one (top-level rope_theta / rope_scaling) and the current
 one, which is the config.json that transformers itself writes (`rope_parameters`), produced here by
-transformers.LlamaConfig(...).save_pretrained. For every config it writes the random model directory
-(engine.random_model, fixed seed), runs transformers on fixed token ids and stores, in tests/fixtures/:
-    model_oracle_<name>.npz     token_ids int32 [T], logits float32 [T, V]
+transformers' config class of the family (...).save_pretrained. For every config it writes the random model
+directory (engine.random_model, fixed seed), runs transformers on fixed token ids and stores, in
+tests/fixtures/:
+    model_oracle_<name>.npz     token_ids int32 [T], logits float32 [T, V], greedy_prompt int32 [P] and
+                                greedy_tokens int32 [G] (transformers' generate, do_sample=False)
     model_oracle_index.json     per config: the config dict, seed, dtype, sha256 of model.safetensors
     model_oracle_bf16_torch.npz float32 bit patterns and torch's bf16 bits (non-NaN inputs)
 tests/test_model_oracle.py rebuilds each directory, checks its hash, and holds the engine to the logits.
@@ -51,9 +54,17 @@ ORACLE_CONFIGS = {
                                "rope_theta": 1000000.0, "rope_scaling": None,
                                "max_position_embeddings": 64},
                               "BF16", 33),
+    # Qwen2 (q/k/v biases): GQA 3 tied, MQA untied; Qwen3 (q/k norm, head_dim != hidden / heads):
+    # GQA 2 tied, MQA untied with an F32 checkpoint. Random biases and norm weights throughout.
+    "tiny-qwen2": (PRESETS["tiny-qwen2"], "BF16", 57),
+    "tiny-qwen2-mqa-untied": (PRESETS["tiny-qwen2-mqa-untied"], "BF16", 48),
+    "tiny-qwen3": (PRESETS["tiny-qwen3"], "BF16", 51),
+    "tiny-qwen3-mqa-untied": (PRESETS["tiny-qwen3-mqa-untied"], "F32", 66),
 }
 # name -> the older-layout config above it is rewritten from, by transformers, into the current layout
-CURRENT_LAYOUT = {"tiny-rope-parameters": "tiny", "theta-rope-parameters": "mha-wide-head-noscale"}
+CURRENT_LAYOUT = {"tiny-rope-parameters": "tiny", "theta-rope-parameters": "mha-wide-head-noscale",
+                  "qwen3-rope-parameters": "tiny-qwen3-mqa-untied"}
+GREEDY_PROMPT, GREEDY_TOKENS = 7, 16
 SEED = 1234
 INDEX = FIXTURES / "model_oracle_index.json"
 BF16_FIXTURE = FIXTURES / "model_oracle_bf16_torch.npz"
@@ -89,8 +100,9 @@ def bf16_inputs(rng) -> np.ndarray:
 def transformers_written(config: dict) -> dict:
     """The config.json transformers writes for this model (current layout: rope_parameters)."""
     import transformers
+    config = copy.deepcopy(config)                     # transformers edits nested dicts in place
     with tempfile.TemporaryDirectory() as tmp:
-        transformers.LlamaConfig(**copy.deepcopy(config)).save_pretrained(tmp)   # it edits nested dicts in place
+        transformers.AutoConfig.for_model(config.pop("model_type"), **config).save_pretrained(tmp)
         written = json.loads((Path(tmp) / "config.json").read_text())
     assert "rope_parameters" in written and "rope_theta" not in written and "rope_scaling" not in written, written
     return written
@@ -104,6 +116,16 @@ def all_configs() -> dict:
     return configs
 
 
+def hf_greedy(model_dir, prompt) -> np.ndarray:
+    """transformers' greedy continuation (its own KV cache; stops at an eos of generation_config.json)."""
+    import torch
+    from oracle_helpers import hf_model
+    with torch.no_grad():
+        out = hf_model(model_dir).generate(torch.tensor([prompt.tolist()]), max_new_tokens=GREEDY_TOKENS,
+                                           do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].numpy().astype(np.int32)
+
+
 def main() -> None:
     import torch
     import transformers
@@ -115,7 +137,9 @@ def main() -> None:
             model_dir = write_random_model(Path(tmp) / name, config, seed=SEED, dtype=dtype)
             ids = token_ids_for(name, config["vocab_size"], n)
             logits = hf_logits(model_dir, ids.tolist()).astype(np.float32)
-            np.savez_compressed(fixture_path(name), token_ids=ids, logits=logits)
+            prompt = ids[:GREEDY_PROMPT]
+            np.savez_compressed(fixture_path(name), token_ids=ids, logits=logits, greedy_prompt=prompt,
+                                greedy_tokens=hf_greedy(model_dir, prompt))
             top2 = np.sort(logits, axis=-1)[:, -2:]
             index["models"][name] = {"config": config, "dtype": dtype, "num_tokens": n,
                                      "sha256": sha256_file(model_dir / "model.safetensors")}

@@ -27,6 +27,11 @@ GEN_CONFIG = {**PRESETS["tiny"], "vocab_size": 331, "hidden_size": 84, "intermed
               "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
 
+# The same for each Qwen family: untied, GQA, random biases (Qwen2) or q/k norms (Qwen3).
+GEN_CONFIGS = {"llama": GEN_CONFIG,
+               "qwen2": {**PRESETS["tiny-qwen2"], "tie_word_embeddings": False},
+               "qwen3": {**PRESETS["tiny-qwen3"], "tie_word_embeddings": False}}
+
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 needs_transformers = pytest.mark.skipif(
     not HAVE_TRANSFORMERS, reason="torch + transformers not importable: the live oracle is skipped "
@@ -44,11 +49,12 @@ def cached_model_dir(name: str, config_json: str | None = None, seed: int = 0, d
     return write_random_model(Path(_workdir.name) / f"{name}-{seed}-{dtype}", config, seed=seed, dtype=dtype)
 
 
-def gen_model_dir(eos=None) -> Path:
-    """GEN_CONFIG's directory; `eos` (an int or list) replaces its eos ids, weights unchanged."""
+def gen_model_dir(eos=None, family: str = "llama") -> Path:
+    """GEN_CONFIGS[family]'s directory; `eos` (an int or list) replaces its eos ids, weights unchanged."""
     import json
-    config = dict(GEN_CONFIG) if eos is None else {**GEN_CONFIG, "eos_token_id": eos}
-    return cached_model_dir(f"gen-eos{eos}", json.dumps(config, sort_keys=True))
+    base = GEN_CONFIGS[family]
+    config = dict(base) if eos is None else {**base, "eos_token_id": eos}
+    return cached_model_dir(f"gen-{family}-eos{eos}", json.dumps(config, sort_keys=True))
 
 
 def sha256_file(path) -> str:

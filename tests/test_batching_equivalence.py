@@ -5,20 +5,22 @@ the model really emits), each request's tokens and finish reason must be identic
 no cache (full recomputation, the oracle), ChatSession (contiguous cache), LLM static/continuous x
 contiguous/paged, with all prompts submitted at once or arriving between steps, and pools so small
 that requests must wait (conservative admission) or be preempted and recomputed (on-demand).
+Each model family runs the workloads: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms).
 """
 import numpy as np
 import pytest
+from oracle_helpers import GEN_CONFIG, GEN_CONFIGS, ForwardCounter, gen_model_dir, greedy_no_cache
 
+from engine.config import config_from_dict
 from engine.generate import ChatSession
 from engine.llm import LLM
 from engine.model import load_model
 from engine.sampling import SamplingParams
-from oracle_helpers import ForwardCounter, GEN_CONFIG, gen_model_dir, greedy_no_cache
 
 MAX_CONTEXT = 32                 # prompts up to 20 + outputs up to 12: some requests reach the end
-KV_BYTES_PER_TOKEN = 2 * GEN_CONFIG["num_hidden_layers"] * GEN_CONFIG["num_key_value_heads"] \
-    * GEN_CONFIG["head_dim"] * 4                                       # K and V, fp32 on the CPU
-WORKLOAD_SEEDS = [0, 1, 2, 3]
+# (family, seed): every seed on Llama, two on each Qwen family
+WORKLOADS = [("llama", 0), ("llama", 1), ("llama", 2), ("llama", 3),
+             ("qwen2", 1), ("qwen2", 2), ("qwen3", 0), ("qwen3", 1)]
 
 # (batching, kv_cache, extra LLM arguments)
 ROOMY = [
@@ -30,46 +32,50 @@ ROOMY = [
 ]
 
 
-def pool_mib(pages: int, page_size: int) -> float:
-    return pages * page_size * KV_BYTES_PER_TOKEN / 2**20
+def pool_mib(pages: int, page_size: int, config: dict = GEN_CONFIG) -> float:
+    """The kv_cache_mib of a pool of `pages` pages (K and V, fp32 on the CPU)."""
+    return pages * page_size * config_from_dict(config).kv_bytes_per_token(4) / 2**20
 
 
 # Pools of 8 pages of 4 tokens (32 tokens: one worst-case request) force waiting or preemption.
 TIGHT = [
-    ("continuous", "paged", dict(page_size=4, kv_cache_mib=pool_mib(8, 4)), "waits"),
-    ("continuous", "paged", dict(page_size=4, kv_cache_mib=pool_mib(8, 4), admission="on_demand"), "preempts"),
-    ("static", "paged", dict(page_size=4, kv_cache_mib=pool_mib(8, 4), admission="on_demand"), "preempts"),
+    ("continuous", "paged", dict(page_size=4, pool_pages=8), "waits"),
+    ("continuous", "paged", dict(page_size=4, pool_pages=8, admission="on_demand"), "preempts"),
+    ("static", "paged", dict(page_size=4, pool_pages=8, admission="on_demand"), "preempts"),
 ]
 
 
 class Workload:
     """Requests, the eos id, and the oracle's (tokens, finish_reason) for each request."""
 
-    def __init__(self, seed: int, n: int = 6):
+    def __init__(self, family: str, seed: int, n: int = 6):
         rng = np.random.default_rng(seed)
-        vocab = GEN_CONFIG["vocab_size"]
+        self.family, self.config = family, GEN_CONFIGS[family]
+        vocab = self.config["vocab_size"]
         self.prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 21))).tolist() for _ in range(n)]
         self.params = [SamplingParams(max_new_tokens=int(rng.integers(1, 13)), ignore_eos=bool(rng.random() < 0.3))
                        for _ in range(n)]
         self.params[0] = SamplingParams(max_new_tokens=12)               # the request that meets the eos
         self.prompts[0] = self.prompts[0][:8]
-        plain = load_model(gen_model_dir(), backend="numpy", max_context=MAX_CONTEXT)
+        plain = load_model(gen_model_dir(family=family), backend="numpy", max_context=MAX_CONTEXT)
         free_run, _ = greedy_no_cache(plain, self.prompts[0], 12, ignore_eos=True)
         self.eos = free_run[4]                                            # emitted by request 0 at step <= 4
-        self.model_dir = gen_model_dir(eos=self.eos)
+        self.model_dir = gen_model_dir(eos=self.eos, family=family)
         self.model = load_model(self.model_dir, backend="numpy", max_context=MAX_CONTEXT)
         self.expected = [greedy_no_cache(self.model, p, sp.max_new_tokens, eos=(self.eos,), ignore_eos=sp.ignore_eos)
                          for p, sp in zip(self.prompts, self.params)]
         assert self.expected[0][1] == "stop"
 
     def llm(self, batching, kv_cache, **kwargs) -> LLM:
+        if "pool_pages" in kwargs:
+            kwargs["kv_cache_mib"] = pool_mib(kwargs.pop("pool_pages"), kwargs["page_size"], self.config)
         return LLM(self.model_dir, backend="numpy", batching=batching, kv_cache=kv_cache,
                    max_context=MAX_CONTEXT, **kwargs)
 
 
-@pytest.fixture(scope="module", params=WORKLOAD_SEEDS, ids=lambda s: f"workload{s}")
+@pytest.fixture(scope="module", params=WORKLOADS, ids=lambda fs: f"{fs[0]}-workload{fs[1]}")
 def workload(request):
-    return Workload(request.param)
+    return Workload(*request.param)
 
 
 def outputs(results):

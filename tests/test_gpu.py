@@ -11,7 +11,8 @@ from engine.backend import cupy_unavailable_reason
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
 
-PRESETS = ["tiny", "tiny-mha-untied", "tiny-mqa", "smollm2-135m"]
+PRESETS = ["tiny", "tiny-mha-untied", "tiny-mqa", "smollm2-135m", "tiny-qwen2", "tiny-qwen2-mqa-untied", "tiny-qwen3",
+           "tiny-qwen3-mqa-untied"]
 
 
 @pytest.fixture(scope="module", params=PRESETS)

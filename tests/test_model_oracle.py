@@ -1,11 +1,12 @@
-"""The whole model against transformers (fp32, CPU) on tiny random Llama configs.
+"""The whole model against transformers (fp32, CPU) on tiny random Llama, Qwen2 and Qwen3 configs.
 
 The reference logits were produced once by tests/make_model_fixtures.py and committed, so this runs
 without torch. The test rebuilds the very same random model directory (write_random_model is
 deterministic: the sha256 of model.safetensors must match the fixture) and holds
 engine.load_model(dir, backend="numpy").logits(ids) to them: max |diff| / max |ref| <= 1e-4 and
-the same argmax at every position. When torch + transformers are importable, the same checks
-also run live against transformers on the same directory.
+the same argmax at every position, and the engine's greedy generation from a short prompt must be
+transformers' token for token. When torch + transformers are importable, the same checks also run
+live against transformers on the same directory.
 """
 import json
 
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 from oracle_helpers import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
 
+from engine.llm import LLM
 from engine.model import Model, load_model
 from engine.random_model import write_random_model
+from engine.sampling import SamplingParams
 
 INDEX = json.loads((FIXTURES / "model_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
@@ -69,6 +72,29 @@ def test_fixtures_cover_the_required_shapes():
     assert {INDEX["models"][n]["dtype"] for n in NAMES} == {"BF16", "F32"}
 
 
+def test_fixtures_cover_the_qwen_families():
+    """Qwen2 and Qwen3 each: GQA and MQA, tied and untied; Qwen3 with head_dim != hidden / heads and
+    in the layout transformers writes."""
+    for family in ("qwen2", "qwen3"):
+        configs = [INDEX["models"][n]["config"] for n in NAMES if INDEX["models"][n]["config"]["model_type"] == family]
+        assert {c["num_key_value_heads"] == 1 for c in configs} == {True, False}
+        assert {c["tie_word_embeddings"] for c in configs} == {True, False}
+    qwen3 = [INDEX["models"][n]["config"] for n in NAMES if INDEX["models"][n]["config"]["model_type"] == "qwen3"]
+    assert any(c["head_dim"] * c["num_attention_heads"] != c["hidden_size"] for c in qwen3)
+    assert any("rope_parameters" in c for c in qwen3)
+
+
+def test_qwen_features_matter(rebuilt):
+    """Without its biases (Qwen2) or q/k norms (Qwen3) the model misses the fixture by far: the
+    oracle would catch an engine that loaded them and then ignored them."""
+    for name in ("tiny-qwen2", "tiny-qwen3"):
+        model_dir, ids, ref = rebuilt(name)
+        model = load_model(model_dir, backend="numpy")
+        for layer in model.weights.layers:
+            layer.qkv_bias = layer.q_norm = layer.k_norm = None
+        assert relative_error(model.logits(ids.tolist()), ref) > 100 * REL_TOL, name
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if "rope_parameters" in INDEX["models"][n]["config"]])
 def test_current_layout_theta_is_read(rebuilt, name):
     """The fixture would catch an engine that ignores rope_parameters and runs with theta 10000."""
@@ -92,6 +118,21 @@ def test_random_model_is_rebuilt_bit_for_bit(rebuilt, name):
 def test_numpy_logits_match_transformers_fixture(rebuilt, name):
     model_dir, ids, ref = rebuilt(name)
     check_logits(load_model(model_dir, backend="numpy").logits(ids.tolist()), ref, f"{name} vs fixture")
+
+
+def engine_greedy(model_dir, prompt) -> list[int]:
+    """The engine's greedy continuation (KV cache, paged, continuous batching; stops at an eos)."""
+    llm = LLM(model_dir, backend="numpy")
+    [result] = llm.generate([list(map(int, prompt))], SamplingParams(max_new_tokens=16))
+    return result.token_ids
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_numpy_greedy_generation_matches_transformers_fixture(rebuilt, name):
+    model_dir, _, _ = rebuilt(name)
+    with np.load(FIXTURES / f"model_oracle_{name}.npz") as f:
+        prompt, expected = f["greedy_prompt"], f["greedy_tokens"].tolist()
+    assert engine_greedy(model_dir, prompt) == expected
 
 
 @pytest.mark.parametrize("name", NAMES[:3])
@@ -122,3 +163,12 @@ def test_numpy_logits_match_transformers_live(rebuilt, name):
     other = np.random.default_rng(7).integers(0, vocab, size=len(ids) // 2 + 3).tolist()
     check_logits(load_model(model_dir, backend="numpy").logits(other), hf_logits(model_dir, other),
                  f"{name} vs transformers live")
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", [n for n in NAMES if "qwen" in n])
+def test_greedy_generation_matches_transformers_live(rebuilt, name):
+    from make_model_fixtures import hf_greedy
+    model_dir, ids, _ = rebuilt(name)
+    prompt = ids[-5:]                                      # another prompt than the fixture's
+    assert engine_greedy(model_dir, prompt) == hf_greedy(model_dir, prompt).tolist()

@@ -6,6 +6,7 @@ original layout) after undoing the rotate-half permutation, RMSNorm and SwiGLU i
 frequency scaling re-derived piecewise from the published formula, bf16 rounding by comparing the
 two neighbouring bf16 values. Shapes are awkward on purpose (not powers of two, GQA ratios 1, 3, 4).
 """
+import copy
 import math
 
 import numpy as np
@@ -267,7 +268,7 @@ def test_rope_matches_transformers_live(name):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     d = LLAMA3_CONFIGS[name]
     config = config_from_dict(d)
-    rotary = LlamaRotaryEmbedding(transformers.LlamaConfig(**d))
+    rotary = LlamaRotaryEmbedding(transformers.LlamaConfig(**copy.deepcopy(d)))   # it edits nested dicts in place
     # float32 pow differs by up to an ulp between NumPy and torch, so neither side is bit-exact
     np.testing.assert_allclose(rope_inv_freq(config), rotary.inv_freq.numpy(), rtol=3e-7)
     P = 500

@@ -411,7 +411,7 @@ def _refusal_cases(spec: dict):
     return {
         "unigram model": (modified(["model", "type"], "Unigram"), "model type"),
         "wordpiece model": (modified(["model"], {"type": "WordPiece", "vocab": {}}), "model type"),
-        "nfc normalizer": (modified(["normalizer"], {"type": "NFC"}), "normalizer"),
+        "lowercase normalizer": (modified(["normalizer"], {"type": "Lowercase"}), "normalizer"),
         "metaspace": (modified(["pre_tokenizer"], {"type": "Metaspace", "replacement": "▁"}), "pre-tokenizer"),
         "no byte level": (modified(["pre_tokenizer"], _split({"Regex": " "}, "Isolated")), "ByteLevel"),
         "byte level first": (modified(["pre_tokenizer"], {"type": "Sequence", "pretokenizers": [

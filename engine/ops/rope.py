@@ -7,6 +7,10 @@ config's max_position_embeddings, which can be 10**7), in float32 the way transf
 (NumPy's and torch's float32 pow can differ by an ulp for some frequencies), and both backends
 rotate by the same tables. Positions are always passed in explicitly: a decode step or a packed
 batch mixes tokens at many absolute positions.
+
+The Qwen families change what goes into the rotation (appendix: model families): Qwen2 adds a bias
+to q, k and v; Qwen3 RMS-normalizes every q and k head (weights [D]) before rotating it. On the GPU
+both happen inside the same pass over qkv (kernels_cu/rope.cu: rope_qkv_bias_norm).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel
 from engine.config import LlamaConfig
+from engine.ops.rmsnorm import rmsnorm_ref
 from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 
@@ -57,14 +62,31 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndar
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig):
+def qkv_bias_norm_ref(qkv, bias, q_norm, k_norm, config: LlamaConfig):
+    """[T, (Hq + 2 Hkv) * D] -> a copy with the bias added (Qwen2) and each q and k head RMS-normalized
+    (Qwen3), as transformers does before RoPE. Works on NumPy and CuPy arrays alike."""
+    Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    out = qkv + bias if bias is not None else qkv.copy()
+    if q_norm is not None:
+        heads = out.reshape(out.shape[0], Hq + 2 * Hkv, D)                   # a view of out
+        heads[:, :Hq] = rmsnorm_ref(heads[:, :Hq], q_norm, config.rms_norm_eps)
+        heads[:, Hq:Hq + Hkv] = rmsnorm_ref(heads[:, Hq:Hq + Hkv], k_norm, config.rms_norm_eps)
+    return out
+
+
+def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig, bias=None, q_norm=None, k_norm=None):
     """Rotate the q and k heads of a fused QKV projection output [T, (Hq + 2 Hkv) * D].
 
-    CPU: returns a float32 copy with q, k rotated. GPU: reads fp32, returns bf16 (uint16) with
-    q, k rotated and v converted, the layout attention and the KV cache read.
+    bias [(Hq + 2 Hkv) * D] (Qwen2) is added first; q_norm, k_norm [D] (Qwen3) normalize each q / k
+    head before the rotation. CPU: returns a float32 copy with q, k rotated. GPU: reads fp32, returns
+    bf16 (uint16) with q, k rotated and v converted, the layout attention and the KV cache read.
     """
     Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     plug = OVERRIDES.get("rope")                 # your stage (engine/plugins.py), if one is active
+    qwen = bias is not None or q_norm is not None
+    if qwen and (plug is not None or not is_device_array(qkv)):
+        qkv = qkv_bias_norm_ref(qkv, bias, q_norm, k_norm, config)     # unfused: then the plain rotation
+        qwen = False
     if plug is not None and plug.fn is not None:
         return _rope_function(plug, qkv, positions, cos, sin, Hq + Hkv, D)
     if not is_device_array(qkv):
@@ -77,7 +99,14 @@ def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig):
     import cupy as cp
     T = qkv.shape[0]
     out = cp.empty(qkv.shape, dtype=cp.uint16)
-    if T:
+    if T and qwen:
+        unused = cos                              # a valid pointer for the arguments a flag switches off
+        load_kernel("rope", "rope_qkv_bias_norm")(
+            (T,), (128,), (qkv, unused if bias is None else bias, unused if q_norm is None else q_norm,
+                           unused if k_norm is None else k_norm, positions, cos, sin, out, np.int32(Hq),
+                           np.int32(Hkv), np.int32(D), np.float32(config.rms_norm_eps),
+                           np.int32(bias is not None), np.int32(q_norm is not None)))
+    elif T:
         kernel = plug.kernel() if plug is not None else load_kernel("rope", "rope_qkv")
         kernel((T,), (256,), (qkv, positions, cos, sin, out, np.int32(Hq + Hkv), np.int32(Hq + 2 * Hkv), np.int32(D)))
     return out
