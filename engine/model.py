@@ -26,7 +26,7 @@ from engine.ops.embedding import check_ids, embedding
 from engine.ops.flash_attention import flash_attention, kernel_supports
 from engine.ops.linear import linear
 from engine.ops.mlp import swiglu
-from engine.ops.paged_attention import kv_write, paged_attention
+from engine.ops.paged_attention import check_gpu_shape, kv_write, paged_attention
 from engine.ops.rmsnorm import add_rmsnorm, rmsnorm
 from engine.ops.rope import rope_qkv, rope_tables
 from engine.plugins import OVERRIDES
@@ -97,6 +97,8 @@ class Model:
 
     def __init__(self, config: LlamaConfig, weights, backend: Backend, max_context: int | None = None):
         check_serving_args(config, max_context=max_context)
+        if backend.is_gpu:
+            check_gpu_shape(config)
         self.config, self.weights, self.backend = config, weights, backend
         self.max_context = int(max_context) if max_context is not None else config.max_position_embeddings
         # RoPE tables cover the context in use: all of an explicit max_context (they never move, so a

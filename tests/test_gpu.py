@@ -11,8 +11,10 @@ from engine.backend import cupy_unavailable_reason
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
 
-PRESETS = ["tiny", "tiny-mha-untied", "tiny-mqa", "smollm2-135m", "tiny-qwen2", "tiny-qwen2-mqa-untied", "tiny-qwen3",
-           "tiny-qwen3-mqa-untied"]
+# every tiny preset whose head_dim the CUDA decode kernel takes (a power of two); the odd ones
+# (tiny-qwen2: 14, tiny-qwen3: 24, tiny-qwen3-mqa-untied: 10) are CPU oracle configs, refused on the GPU
+PRESETS = ["tiny", "tiny-mha-untied", "tiny-mqa", "smollm2-135m", "tiny-qwen2-mqa-untied"]
+ODD_HEAD_DIM = ["tiny-qwen2", "tiny-qwen3", "tiny-qwen3-mqa-untied"]
 
 
 @pytest.fixture(scope="module", params=PRESETS)
@@ -87,3 +89,12 @@ def test_hello_kernels():
     out = cp.full(65536, 7.0, dtype=cp.float32)
     load_kernel("hello", "bf16_bits_to_f32")((64,), (256,), (cp.asarray(bits), out, np.int64(65536)))
     np.testing.assert_array_equal(out.get().view(np.uint32), bf16_to_f32(bits).view(np.uint32))
+
+
+@pytest.mark.parametrize("preset", ODD_HEAD_DIM)
+def test_head_dims_the_kernels_cannot_take_are_refused_at_load(preset, tmp_path):
+    import engine
+    from engine.config import ConfigError
+    from engine.random_model import write_random_model
+    with pytest.raises(ConfigError, match="power-of-two head_dim"):
+        engine.load_model(write_random_model(tmp_path, preset, seed=3), backend="cupy")

@@ -19,17 +19,18 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
 def test_graph_decode_equals_eager_decode(model_dir, kv_cache):
-    """A lone request decodes through the CUDA graph (page table an input of the graph): the same
-    greedy tokens as the eager paged step, over several page boundaries and two requests in a row."""
+    """A lone request decodes through a CUDA graph (the batch-of-one bucket; page tables are inputs
+    of the graph): the same greedy tokens as eager steps, over several page boundaries and two
+    requests in a row."""
     import engine
     from engine.llm import LLM
     params = engine.SamplingParams(max_new_tokens=40, ignore_eos=True)
     prompts = [list(np.random.default_rng(s).integers(3, 200, n)) for s, n in ((0, 7), (1, 30))]
-    graph = LLM(model_dir, backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=4)
-    eager = LLM(model_dir, backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=4)
-    eager.use_cuda_graph = False
+    graph = LLM(model_dir, backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=4, cuda_graphs=True)
+    eager = LLM(model_dir, backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=4, cuda_graphs=False)
     got = [graph.generate([p], params)[0].token_ids for p in prompts]
-    assert graph._decode_graph is not None
+    assert graph.decode_graphs.replays >= 2 * (params.max_new_tokens - 2)
+    assert eager.decode_graphs.replays == 0 and eager._decode_graph is None
     want = [eager.generate([p], params)[0].token_ids for p in prompts]
     assert got == want
 

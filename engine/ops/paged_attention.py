@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.backend import is_device_array, load_kernel, sm_count
-from engine.config import LlamaConfig
+from engine.config import ConfigError, LlamaConfig
 
 NWARPS = 4          # warps per block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 from engine.ops.attention import softmax, split_qkv
@@ -69,6 +69,16 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, s
         p = softmax(np.einsum("grd,sgd->grs", qg, keys) * np.float32(scale))  # [Hkv, r, ctx]
         out[r] = np.einsum("grs,sgd->grd", p, values).reshape(Hq, D)
     return out
+
+
+def check_gpu_shape(config: LlamaConfig) -> None:
+    """The decode kernel's compile-time shapes (kernels_cu/paged_attention.cu's static_asserts): refuse
+    a model the GPU cannot decode when it is loaded, not at its first decode step."""
+    D, group = config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    if not (16 <= D <= 256 and D & (D - 1) == 0) or not 1 <= group <= 8:
+        raise ConfigError(f"head_dim {D} with {group} query heads per KV head: the CUDA decode kernel needs a "
+                          f"power-of-two head_dim in [16, 256] and at most 8 query heads per KV head "
+                          f"(load this model with backend='numpy')")
 
 
 def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
