@@ -45,7 +45,7 @@ class LLM:
     def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
-                 admission: str = "conservative", page_size: int = 16):
+                 admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
         if kv_cache not in KV_CACHES:
@@ -63,6 +63,7 @@ class LLM:
             from engine.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(model_dir)
         self.batching, self.kv_cache_kind, self.admission = batching, kv_cache, admission
+        self.chunked_prefill = chunked_prefill
         self.max_seqs = max_seqs or (256 if b.is_gpu else 16)
         self.max_batch_tokens = max(max_batch_tokens or (8192 if b.is_gpu else 2048), self.max_seqs)
         self.page_size = page_size
@@ -96,7 +97,8 @@ class LLM:
         else:
             allocator = PageAllocator(self.cache.num_blocks, self.page_size)
         return Scheduler(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
-                         self.config.eos_token_ids, policy=self.batching, admission=self.admission)
+                         self.config.eos_token_ids, policy=self.batching, admission=self.admission,
+                         chunked_prefill=self.chunked_prefill)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -140,16 +142,20 @@ class LLM:
         if batch is None:
             return False
         t0 = time.perf_counter()
+        sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
         try:
+            # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
+            logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
             fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
-                              batch.slot_mapping, logits_rows=batch.last_token_indices)
+                              batch.slot_mapping, logits_rows=logits_rows)
             logits = self.model.forward(fb, self.cache)
-            tokens = sample(logits, [row.params for row in batch.rows],
-                            [step_uniform(seeds[row.request_id], row.num_generated) for row in batch.rows])
+            tokens = sample(logits, [row.params for row in sampling],
+                            [step_uniform(seeds[row.request_id], row.num_generated) for row in sampling]
+                            ).tolist() if sampling else []
         except BaseException:
             sched.fail(batch.batch_id)
             raise
-        sched.complete(batch.batch_id, tokens.tolist())
+        sched.complete(batch.batch_id, tokens)
         sched.step_log[-1]["seconds"] = time.perf_counter() - t0
         return True
 

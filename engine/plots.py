@@ -13,7 +13,8 @@ Every function takes plain data (a step log: `llm.last_step_log` or `sched.step_
 
 Step states (request_timelines, gantt):
     waiting   arrived (or preempted) and not admitted yet
-    prefill   in this step's batch, a prefill row (its prompt, or prompt + generated after preemption)
+    prefill   in this step's batch, a prefill row (its prompt or a chunk of it, or prompt + generated
+              after preemption)
     decode    in this step's batch, a decode row (one token)
     stalled   admitted, but this step's batch does not include it (a prefill batch of newcomers)
     idle      static batching: finished, but its seat stays taken until the whole group ends
@@ -75,7 +76,7 @@ def request_timelines(step_log, cancelled: dict[int, int] | None = None) -> dict
             if status[rid] == "finished":   # static: the seat is held while the group still runs
                 status[rid] = "finished" if entry["idle_slots"] > 0 else "gone"
             if rid in in_batch:
-                states[rid][s] = entry["kind"]
+                states[rid][s] = "prefill" if rid in entry["prefill_ids"] else "decode"
             else:
                 states[rid][s] = {"waiting": "waiting", "running": "stalled",
                                   "finished": "idle", "gone": ""}[status[rid]]
@@ -98,14 +99,15 @@ def _runs(states: list[str]):
 
 
 def summarize(step_log) -> dict:
-    """Totals of one run. Every row of every step samples one token, so output tokens = sum of rows."""
+    """Totals of one run. Every sampling row samples one token (a chunk that stops short of its
+    prompt's end samples none), so output tokens = sum of sampled rows."""
     decode = [e for e in step_log if e["kind"] == "decode"]
     out = {
         "steps": len(step_log),
         "prefill_steps": len(step_log) - len(decode),
         "decode_steps": len(decode),
-        "output_tokens": sum(e["rows"] for e in step_log),
-        "prompt_tokens_computed": sum(e["tokens"] for e in step_log if e["kind"] == "prefill"),
+        "output_tokens": sum(e["sampled"] for e in step_log),
+        "prompt_tokens_computed": sum(e["prefill_tokens"] for e in step_log),
         "mean_decode_rows": float(np.mean([e["rows"] for e in decode])) if decode else 0.0,
         "idle_slot_steps": sum(e["idle_slots"] for e in step_log),
         "preemptions": sum(len(e["preempted"]) for e in step_log),
@@ -179,16 +181,18 @@ def _finish(ax, handles, edges, x: str, ylabel: str, title: str | None):
 
 def occupancy(step_log, max_seqs: int | None = None, ax=None, title: str | None = None,
               x: str = "step"):
-    """Two bars per step, stacked: the batch's rows (prefill or decode colour) and the idle seats
+    """Bars per step, stacked: the batch's decode rows, its prefill rows, and the idle seats
     of static batching (hatched, height 0 when none); a line of the waiting queue; a dashed line at
     max_seqs when given."""
     ax = _axes(ax, (10, 2.8))
     edges = _x_edges(step_log, x)
     left, width = edges[:-1], np.diff(edges)
     rows = np.array([e["rows"] for e in step_log])
+    prefill = np.array([len(e["prefill_ids"]) for e in step_log])   # chunked prefill mixes both kinds
     idle = np.array([e["idle_slots"] for e in step_log])
-    colors = [STATE_STYLE[e["kind"]][0] for e in step_log]
-    ax.bar(left, rows, width=width, align="edge", color=colors, edgecolor="none")
+    ax.bar(left, rows - prefill, width=width, align="edge", color=STATE_STYLE["decode"][0], edgecolor="none")
+    ax.bar(left, prefill, width=width, bottom=rows - prefill, align="edge", color=STATE_STYLE["prefill"][0],
+           edgecolor="none")
     ax.bar(left, idle, width=width, bottom=rows, align="edge", color="white", hatch="////",
            edgecolor="0.5", linewidth=0)
     ax.step(edges, np.append([e["waiting"] for e in step_log], step_log[-1]["waiting"] if step_log else 0),
