@@ -42,3 +42,24 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = lane < n_warps ? scratch[lane] : -INFINITY;
     return warp_max(v);
 }
+
+// 16 bytes global -> shared without passing through registers (sm_80+); .cg: cache in L2 only.
+// Older GPUs (e.g. a T4, sm_75) copy synchronously: same results, no overlap.
+__device__ __forceinline__ void cp_async16(void* smem, const bf16* gmem) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(gmem));
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {   // at most N groups still in flight
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#endif
+}
