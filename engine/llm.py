@@ -26,7 +26,13 @@ from engine.scheduler import Scheduler
 
 BATCHING = ("continuous", "static")
 KV_CACHES = ("paged", "contiguous")
+# The contiguous cache's default context: each slot reserves max_context positions up front, so the
+# model's whole context (131,072 for Llama 3.2) would leave room for a handful of sequences at most.
 DEFAULT_MAX_CONTEXT = 4096
+# What the KV pool may take by default: half of the GPU memory free after the weights are loaded
+# (the rest is for activations, the logits and cuBLAS workspaces), 1 GiB of host memory on the CPU.
+GPU_KV_FRACTION = 0.5
+CPU_KV_MIB = 1024.0
 
 
 @dataclass
@@ -37,8 +43,23 @@ class RequestOutput:
     finish_reason: str         # "stop" | "length"
 
 
-def default_max_context(model_max: int) -> int:
-    return min(model_max, DEFAULT_MAX_CONTEXT)
+def default_max_context(model_max: int, kv_cache: str = "contiguous") -> int:
+    """The context a request may reach when none is given.
+
+    paged: the model's whole context (max_position_embeddings). Pages are taken as tokens arrive, so
+    a long context costs nothing until it is used; the pool decides how long a request can get, and
+    one that could never fit in it is refused at submit.
+    contiguous (and ChatSession): at most DEFAULT_MAX_CONTEXT, because every slot reserves its whole
+    context whether it is used or not.
+    """
+    return model_max if kv_cache == "paged" else min(model_max, DEFAULT_MAX_CONTEXT)
+
+
+def default_kv_mib(wanted_mib: float, free_gpu_bytes: int | None) -> float:
+    """The KV pool's default size: what every seat at full context would take (`wanted_mib`), capped
+    by GPU_KV_FRACTION of the free GPU memory (free_gpu_bytes), or by CPU_KV_MIB on the CPU."""
+    cap = CPU_KV_MIB if free_gpu_bytes is None else GPU_KV_FRACTION * free_gpu_bytes / 2**20
+    return min(wanted_mib, cap)
 
 
 class LLM:
@@ -55,7 +76,7 @@ class LLM:
         b = resolve_backend(backend)
         model_dir = Path(model_dir)
         config = load_config(model_dir)
-        self.max_context = max_context or default_max_context(config.max_position_embeddings)
+        self.max_context = max_context or default_max_context(config.max_position_embeddings, kv_cache)
         self.model: Model = load_model(model_dir, b, self.max_context)
         self.config, self.backend = config, b
         self.tokenizer = None
@@ -75,10 +96,8 @@ class LLM:
         """Enough for every sequence at full context, capped by what the device can spare."""
         per_token = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4)
         wanted = self.max_seqs * self.max_context * per_token / 2**20
-        if self.backend.is_gpu:
-            free, _ = self.backend.xp.cuda.runtime.memGetInfo()
-            return min(wanted, 0.5 * free / 2**20)
-        return min(wanted, 1024.0)
+        free = self.backend.xp.cuda.runtime.memGetInfo()[0] if self.backend.is_gpu else None
+        return default_kv_mib(wanted, free)
 
     def _allocate_cache(self, kv_cache_mib):
         mib = self._default_kv_mib() if kv_cache_mib is None else kv_cache_mib
