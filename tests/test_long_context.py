@@ -3,6 +3,8 @@
 Paged: max_context defaults to max_position_embeddings and the pool decides what fits (a request
 that never could is refused at submit). Contiguous: a smaller default, each slot reserving it whole.
 """
+import json
+
 import numpy as np
 import pytest
 from oracle_helpers import GEN_CONFIG, gen_model_dir, greedy_no_cache
@@ -61,3 +63,22 @@ def test_prompts_of_many_budgets_match_the_no_cache_oracle(batching):
     assert sum(1 for entry in log for chunk in entry["chunks"] if chunk[0] == 0) >= 230 // 32
     if batching == "continuous":     # the short requests kept decoding while the long ones prefilled
         assert any(entry["kind"] == "mixed" for entry in log)
+
+
+def test_bench_long_context_scenarios_run_on_the_cpu(capsys):
+    from engine import bench
+    bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "long-prefill", "chunked-itl",
+                "--lengths", "40", "--max-batch-tokens", "16", "--itl-requests", "3", "--itl-prompt-len", "8",
+                "--long-prompt", "48"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    [prefill] = [r for r in records if r["scenario"] == "long-prefill"]
+    assert prefill["prompt_len"] == 40 and prefill["llm_steps"] == 3 and prefill["forward_ms"] > 0
+    itl = {r["chunked_prefill"]: r for r in records if r["scenario"] == "chunked-itl"}
+    assert itl[True]["steps_to_first_token"] == 4 and itl[False]["steps_to_first_token"] == 1
+    assert all(itl[c]["itl_p99_ms"] >= itl[c]["itl_p50_ms"] > 0 for c in itl)
+
+
+def test_inter_token_latencies_take_the_gaps_that_end_in_the_window():
+    from engine.bench import inter_token_latencies
+    times = {0: [1.0, 2.0, 4.0], 1: [1.5, 5.0]}
+    assert sorted(inter_token_latencies(times, 1.9, 4.5)) == [1.0, 2.0]
