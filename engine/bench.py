@@ -278,7 +278,8 @@ def scenario_long_prefill(args, setup, model_dir, backend, hf):
     cfg = load_config(model_dir)
     rng = np.random.default_rng(2)
     longest = max(args.lengths)
-    llm = LLM(model_dir, backend, max_context=args.max_context or min(cfg.max_position_embeddings, longest + 8),
+    llm = LLM(model_dir, backend, max_context=args.max_context or min(cfg.max_position_embeddings,
+                                                                      longest + args.long_new_tokens + 8),
               max_seqs=1, max_batch_tokens=args.max_batch_tokens, kv_cache_mib=args.kv_cache_mib)
     for n in args.lengths:
         ids = random_prompt(rng, n, cfg.vocab_size)
@@ -286,13 +287,15 @@ def scenario_long_prefill(args, setup, model_dir, backend, hf):
         try:
             sec = _timed_forward(llm.model, ids, reps=3 if n <= 8192 else 1)
             rec.update(forward_ms=round(sec * 1e3, 1), forward_tok_per_s=round(n / sec, 1))
-            sync(backend)
-            t = time.perf_counter()
-            llm.generate([ids], SamplingParams(max_new_tokens=1))   # chunked prefill + first token
-            sync(backend)
-            ttft = time.perf_counter() - t
-            rec.update(llm_ttft_ms=round(ttft * 1e3, 1), llm_tok_per_s=round(n / ttft, 1),
-                       llm_steps=len(llm.last_step_log))
+            # the serving path: chunked prefill into the paged cache, then a few decode steps
+            llm.generate([ids], SamplingParams(max_new_tokens=args.long_new_tokens, ignore_eos=True))
+            seconds = [entry["seconds"] for entry in llm.last_step_log]
+            first = next(i for i, entry in enumerate(llm.last_step_log) if entry["sampled"])
+            ttft = sum(seconds[:first + 1])
+            rec.update(llm_ttft_ms=round(ttft * 1e3, 1), llm_prefill_tok_per_s=round(n / ttft, 1),
+                       llm_prefill_steps=first + 1)
+            if len(seconds) > first + 1:
+                rec["llm_decode_ms_per_token"] = round(float(np.mean(seconds[first + 1:])) * 1e3, 2)
         except Exception as exc:                       # e.g. out of memory: report it, go on
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
         if hf is not None:
@@ -409,6 +412,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072],
                     help="long-prefill: prompt lengths")
+    ap.add_argument("--long-new-tokens", type=int, default=16, help="long-prefill: tokens decoded after the prompt")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the step's token budget (chunk size)")
     ap.add_argument("--itl-requests", type=int, default=64, help="chunked-itl: requests decoding")
     ap.add_argument("--itl-prompt-len", type=int, default=256, help="chunked-itl: their prompt length")
