@@ -212,6 +212,113 @@ class Bench:
                         rel_err(bf16_to_f32(out.get()), ref), BF16_TOL, ms,
                         flops=4 * Hq * T * T * D if ms else None)
 
+    def flash(self):
+        """Tiled prefill attention on the tensor cores: awkward shapes checked against the NumPy
+        reference (fresh prompts from qkv, and chunks over a cached prefix in shuffled pages), then
+        the Llama-3.2-1B shape at 2k/8k/32k tokens with TFLOP/s next to the measured bf16 GEMM rate
+        (and the chapter 06 cuBLAS + causal-softmax path where its T x T scores fit)."""
+        from engine.ops.attention import prefill_attention
+        from engine.ops.flash_attention import flash_attention, flash_attention_ref, kernel_supports
+        from engine.ops.paged_attention import paged_attention
+        gemm = self._gemm_tflops()
+        checks = [(6, 2, 16, [13, 1, 40], 0, 16), (8, 8, 64, [1, 63, 64, 65, 130], 0, 16),
+                  (12, 3, 128, [129, 5], 0, 16), (16, 2, 64, [77, 200], 0, 7), (8, 1, 32, [70], 0, 16),
+                  (32, 8, 64, [5, 64, 70], 100, 16), (16, 2, 128, [33, 1, 65], 17, 7)]
+        for Hq, Hkv, D, lens, prefix, page_size in checks:
+            cfg = _attention_config(Hq, Hkv, D)
+            if not kernel_supports(cfg):
+                self.record("flash_attention", f"D={D}", float("inf"), BF16_TOL, note="needs sm_80+")
+                return
+            case = self._flash_case(cfg, lens, prefix, page_size)
+            with self.poisoned():
+                out = flash_attention(*case["args"])
+            ref = flash_attention_ref(*case["ref_args"], D ** -0.5, page_tables=case["tables_h"])
+            self.record("flash_attention", f"Hq={Hq} Hkv={Hkv} D={D} lens={lens} prefix={prefix} PS={page_size}",
+                        rel_err(bf16_to_f32(out.get()), ref.reshape(len(ref), -1)), BF16_TOL)
+        cfg = _attention_config(32, 8, 64)
+        for T in ([2048, 8192] if self.quick else [2048, 8192, 32768]):
+            for prefix in ((0, 30720) if T == 2048 else (0,)):
+                case = self._flash_case(cfg, [T], prefix, 16)
+                args = case["args"]
+                with self.poisoned():
+                    out = flash_attention(*args)
+                err = self._flash_spot_check(out, case, cfg)
+                ms = self.time_ms(lambda a=args: flash_attention(*a), reps=5)
+                flops = 4 * 32 * 64 * (T * prefix + T * (T + 1) / 2)      # QK^T and PV over the causal range
+                shape = f"Llama-1B heads T={T}" + (f" after {prefix} cached" if prefix else "")
+                tflops = flops / (ms * 1e-3) / 1e12
+                self.record("flash_attention", shape, err, BF16_TOL, ms, flops=flops,
+                            note=f"{100 * tflops / gemm:.0f}% of the bf16 GEMM rate ({gemm:.0f} TFLOP/s)")
+                if prefix:    # what a chunk over the cache cost before: the decode kernel, one row per token
+                    qkv, _, pos, _, kc, vc, tables = args
+                    ms = self.time_ms(lambda a=(qkv, kc, vc, tables, case["seq_idx"], pos, cfg, prefix + T):
+                                      paged_attention(*a), reps=3)
+                    self.record("paged_attention on the chunk (before)", shape, 0.0, BF16_TOL, ms, flops=flops)
+                elif T <= 8192:   # the chapter 06 rung: T x T scores through memory
+                    ms = self.time_ms(lambda a=(args[0], args[1], cfg): prefill_attention(*a), reps=3)
+                    self.record("prefill_attention cuBLAS+softmax (before)", shape, 0.0, BF16_TOL, ms, flops=flops)
+
+    def _gemm_tflops(self) -> float:
+        """The measured bf16 GEMM rate (cuBLAS, 8192^3, fp32 accumulation): the tensor cores' practical peak."""
+        n = 8192
+        a, _ = self.bf16(n, n)
+        out = self.cp.empty((n, n), dtype=self.cp.uint16)
+        ms = self.time_ms(lambda: matmul(a, a, out, trans_b=True), reps=5)
+        return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+    def _flash_case(self, cfg, lens, prefix, page_size):
+        """Device inputs of flash_attention for sequences of `lens` query tokens, each after `prefix`
+        cached tokens (0: fresh prompts, K/V from qkv). Host float32 copies for the reference."""
+        cp = self.cp
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        T = sum(lens)
+        qkv, qkv_h = self.bf16(T, cfg.qkv_dim)
+        cu_h = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        pos_h = np.concatenate([np.arange(prefix, prefix + n) for n in lens]).astype(np.int32)
+        q_h = qkv_h[:, :Hq * D].reshape(T, Hq, D)
+        case = {"tables_h": None}
+        if prefix == 0:
+            k_h = qkv_h[:, Hq * D:(Hq + Hkv) * D].reshape(T, Hkv, D)
+            v_h = qkv_h[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+            case["args"] = (qkv, cu_h, cp.asarray(pos_h), cfg)
+            case["ref_args"] = (q_h, k_h, v_h, cu_h, pos_h)
+            case["keys_h"] = lambda s, n: (k_h[cu_h[s]:cu_h[s] + n], v_h[cu_h[s]:cu_h[s] + n])
+            return case
+        pages = [-(-(prefix + n) // page_size) for n in lens]
+        num_pages = sum(pages) + 3
+        perm = self.rng.permutation(num_pages).astype(np.int32)
+        tables_h = np.full((len(lens), max(pages)), -1, dtype=np.int32)
+        for s, n in enumerate(pages):
+            tables_h[s, :n] = perm[sum(pages[:s]):sum(pages[:s]) + n]
+        kc, kc_h = self.bf16(num_pages, page_size, Hkv, D)
+        vc, vc_h = self.bf16(num_pages, page_size, Hkv, D)
+        case["args"] = (qkv, cu_h, cp.asarray(pos_h), cfg, kc, vc, cp.asarray(tables_h))
+        case["ref_args"] = (q_h, kc_h, vc_h, cu_h, pos_h)
+        case["tables_h"] = tables_h
+        case["seq_idx"] = cp.asarray(np.repeat(np.arange(len(lens), dtype=np.int32), lens))
+
+        def keys(s, n):
+            p = np.arange(n)
+            rows = tables_h[s][p // page_size] * page_size + p % page_size
+            return kc_h.reshape(-1, Hkv, D)[rows], vc_h.reshape(-1, Hkv, D)[rows]
+        case["keys_h"] = keys
+        return case
+
+    def _flash_spot_check(self, out, case, cfg):
+        """For the long timing cases: a few rows (the last one among them) against exact attention."""
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_h, pos_h = case["ref_args"][0], case["ref_args"][4]
+        rows = np.unique(np.append(self.rng.integers(0, len(pos_h), 3), len(pos_h) - 1))
+        got = bf16_to_f32(out.get()[rows])
+        ref = np.empty((len(rows), Hq * D), np.float32)
+        for i, r in enumerate(rows):
+            k, v = case["keys_h"](0, int(pos_h[r]) + 1)                      # [ctx, Hkv, D]
+            qg = q_h[r].reshape(Hkv, Hq // Hkv, D)
+            scores = np.einsum("grd,sgd->grs", qg, k) * np.float32(D ** -0.5)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            ref[i] = (np.einsum("grs,sgd->grd", p / p.sum(-1, keepdims=True), v)).reshape(-1)
+        return rel_err(got, ref)
+
     def paged(self):
         from engine.config import config_from_dict
         from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, paged_attention_ref
@@ -296,11 +403,18 @@ class Bench:
             getattr(self, name)()
 
 
+def _attention_config(Hq, Hkv, D):
+    from engine.config import config_from_dict
+    return config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D, "intermediate_size": 8,
+                             "num_hidden_layers": 1, "num_attention_heads": Hq, "num_key_value_heads": Hkv,
+                             "head_dim": D})
+
+
 def _short(ctxs):
     return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 and len(ctxs) > 4 else str(ctxs)
 
 
-ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "paged", "sampling"]
+ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "flash", "paged", "sampling"]
 
 
 def main(argv=None) -> int:

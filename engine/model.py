@@ -22,6 +22,7 @@ from engine.kv_cache import KVCache
 from engine.ops.argmax import argmax_rows
 from engine.ops.attention import prefill_attention
 from engine.ops.embedding import embedding
+from engine.ops.flash_attention import flash_attention, kernel_supports
 from engine.ops.linear import linear
 from engine.ops.mlp import swiglu
 from engine.ops.paged_attention import kv_write, paged_attention
@@ -121,23 +122,24 @@ class Model:
         """The layers on arrays already on the backend's device: no host<->device traffic here, so a
         GPU decode step can be captured once as a CUDA graph and replayed (engine/cuda_graph.py).
 
-        With `tables` given, attention reads the cache (paged kernel; `longest` bounds the context);
-        otherwise each sequence of cu_seqlens (host) attends to its own tokens (prefill).
+        Attention: a decode step (one token per sequence, `tables` given) reads the cache with the
+        paged kernel (`longest` bounds the context). A prefill (some sequence of cu_seqlens, on the
+        host, brings several tokens) runs tiled flash attention: on fresh prompts over the batch's
+        own K/V, and with `tables` (a chunk after a cached prefix) over the cache pages.
         """
         cfg, w = self.config, self.weights
+        attend = self._attention(cu_seqlens, pos, tables, seq_idx, longest)
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)
         for i, lw in enumerate(w.layers):
             # --- attention block ---
             qkv = linear(h, lw.qkv)                                # [T, (Hq+2Hkv)*D] fp32
             qkv = rope_qkv(qkv, pos, self.cos, self.sin, cfg)      # q, k rotated (bf16 on the GPU)
+            k_cache = v_cache = None
             if cache is not None:
                 k_cache, v_cache = cache.layer(i)
                 kv_write(qkv, slots, k_cache, v_cache, cfg)
-            if tables is not None:
-                attn = paged_attention(qkv, k_cache, v_cache, tables, seq_idx, pos, cfg, longest)
-            else:
-                attn = prefill_attention(qkv, cu_seqlens, cfg)     # [T, Hq*D]
+            attn = attend(qkv, k_cache, v_cache)                   # [T, Hq*D]
             o = linear(attn, lw.o)                                 # [T, H] fp32
             h = add_rmsnorm(x, o, lw.post_norm, cfg.rms_norm_eps)  # x += o; h = norm(x)
             # --- MLP block ---
@@ -148,6 +150,23 @@ class Model:
         if logits_rows is not None:
             h = h[logits_rows]
         return linear(h, w.lm_head)                                # [R, V] fp32
+
+    def _attention(self, cu_seqlens, pos, tables, seq_idx, longest):
+        """attend(qkv, k_cache, v_cache) -> [T, Hq*D] for this batch, chosen once per forward pass."""
+        cfg = self.config
+        decode = tables is not None and (cu_seqlens is None or int(np.max(np.diff(cu_seqlens))) <= 1)
+        if decode:
+            return lambda qkv, kc, vc: paged_attention(qkv, kc, vc, tables, seq_idx, pos, cfg, longest)
+        if self.backend.is_gpu and not kernel_supports(cfg):
+            # before sm_80 (no bf16 mma.sync) or an unusual head_dim: the chapter 06 and 11 kernels
+            if tables is not None:
+                return lambda qkv, kc, vc: paged_attention(qkv, kc, vc, tables, seq_idx, pos, cfg, longest)
+            return lambda qkv, kc, vc: prefill_attention(qkv, cu_seqlens, cfg)
+        cu_dev = self._to_backend(np.asarray(cu_seqlens, dtype=np.int32)) if self.backend.is_gpu else None
+        if tables is None:                                         # fresh prompts: K/V from qkv itself
+            return lambda qkv, kc, vc: flash_attention(qkv, cu_seqlens, pos, cfg, cu_seqlens_device=cu_dev)
+        return lambda qkv, kc, vc: flash_attention(qkv, cu_seqlens, pos, cfg, kc, vc, tables,
+                                                   cu_seqlens_device=cu_dev)
 
     def logits(self, token_ids) -> np.ndarray:
         """float32 [len(token_ids), vocab]: one full causal pass over the tokens, no cache."""

@@ -2,7 +2,7 @@
 
 With NVRTC (the compiler CuPy uses at run time) when libnvrtc and the CUDA headers are found: NVRTC
 has no host headers, so this catches what nvcc would forgive. Otherwise with `nvcc -ptx`.
-The paged-attention kernel is compiled for every HEAD_DIM/GROUP the engine specializes it for.
+The paged-attention and flash-attention kernels are compiled for every variant the engine specializes them for.
 """
 import ctypes
 import ctypes.util
@@ -17,7 +17,9 @@ import pytest
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 SOURCES = sorted(KERNELS.glob("*.cu"))
-VARIANTS = {"paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g} for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)]}
+VARIANTS = {"paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g} for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)],
+            "flash_attention.cu": [{"HEAD_DIM": d, "NWARPS": 4, "BLOCK_N": 64, "PAGED": p}
+                                   for d in (16, 32, 64, 128) for p in (0, 1)]}
 
 
 def _find_nvrtc():
@@ -61,8 +63,10 @@ def nvrtc_compile(source: Path, defines: dict, arch: int) -> str:
     return "" if status == 0 else log.value.decode(errors="replace")
 
 
-# sm_90 (H100/H200, where it is measured) and sm_75 (a T4, the GPU many learners get for free)
-CASES = [(s, d, a) for s in SOURCES for d in VARIANTS.get(s.name, [{}]) for a in (90, 75)]
+# sm_90 (H100/H200, where it is measured) and sm_75 (a T4, the GPU many learners get for free);
+# flash_attention's tensor-core path also at sm_80, the oldest GPU that runs it (A100).
+ARCHS = {"flash_attention.cu": (90, 80, 75)}
+CASES = [(s, d, a) for s in SOURCES for d in VARIANTS.get(s.name, [{}]) for a in ARCHS.get(s.name, (90, 75))]
 
 
 @pytest.mark.skipif(not ((NVRTC and INCLUDE) or NVCC), reason="neither NVRTC (+ CUDA headers) nor nvcc is available")

@@ -41,14 +41,19 @@ def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
 
     qkv: [T, (Hq + 2Hkv) * D] after RoPE; cu_seqlens: host int array [S + 1] of sequence starts.
     Returns [T, Hq * D] (fp32 on CPU, bf16 on the GPU: the input of o_proj).
+
+    This is the first rung of the ladder: on the GPU the whole [T, T] score matrix of every head
+    goes through memory. The engine prefills with engine/ops/flash_attention.py (tiles, online
+    softmax, no score matrix) and falls back to this kernel only on GPUs before sm_80. On the CPU
+    both run the tiled NumPy reference, so that no T x T matrix is ever allocated.
     """
     scale = config.head_dim ** -0.5
     if not is_device_array(qkv):
+        from engine.ops.flash_attention import flash_attention_ref  # (it imports split_qkv from here)
         q, k, v = split_qkv(qkv, config)
-        out = np.empty((qkv.shape[0], config.q_dim), dtype=np.float32)
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            out[a:b] = causal_attention_ref(q[a:b], k[a:b], v[a:b], scale).reshape(b - a, -1)
-        return out
+        cu = np.asarray(cu_seqlens)
+        positions = np.arange(qkv.shape[0]) - np.repeat(cu[:-1], np.diff(cu))
+        return flash_attention_ref(q, k, v, cu, positions, scale).reshape(qkv.shape[0], -1)
     import cupy as cp
     out = cp.empty((qkv.shape[0], config.q_dim), dtype=cp.uint16)
     for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
