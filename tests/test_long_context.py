@@ -68,8 +68,8 @@ def test_prompts_of_many_budgets_match_the_no_cache_oracle(batching):
 def test_bench_long_context_scenarios_run_on_the_cpu(capsys):
     from engine import bench
     bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "long-prefill", "chunked-itl",
-                "--lengths", "40", "--long-new-tokens", "4", "--max-batch-tokens", "16", "--itl-requests", "3", "--itl-prompt-len", "8",
-                "--long-prompt", "48"])
+                "--lengths", "40", "--long-new-tokens", "4", "--max-batch-tokens", "16", "--itl-requests", "3",
+                "--itl-prompt-len", "8", "--long-prompt", "48"])
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     [prefill] = [r for r in records if r["scenario"] == "long-prefill"]
     assert prefill["prompt_len"] == 40 and prefill["llm_prefill_steps"] == 3 and prefill["forward_ms"] > 0

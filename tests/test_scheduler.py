@@ -413,7 +413,7 @@ def simulate(setup, fail_rate, cancel_rate):
         sampled = [fake_next_token(prompts[r.request_id][0] + generated[r.request_id]) for r in sampling]
         sched.complete(batch.batch_id, sampled)
         pool.check_invariants()
-        for row, token in zip(sampling, sampled):
+        for row, token in zip(sampling, sampled, strict=True):
             generated[row.request_id].append(token)
         for result in sched.pop_finished():
             results[result.request_id] = result
