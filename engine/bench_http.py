@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from engine.bench import emit, serve_workload, sync
+from engine.bench import emit, serve_workload
 from engine.config import load_config
 
 SERVER_START_TIMEOUT_S = 900    # loading a 1B model and compiling the kernels on first use
@@ -88,10 +88,10 @@ def scenario_serve_http(args, setup, model_dir, backend) -> None:
 
     llm = LLM(model_dir, backend, kv_cache_mib=args.kv_cache_mib, max_context=max_context, max_seqs=args.max_seqs)
     llm.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))      # warm-up (compile kernels)
-    sync(backend)
+    backend.synchronize()
     t = time.perf_counter()
     results = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs])
-    sync(backend)
+    backend.synchronize()
     generate_s = time.perf_counter() - t
     assert sum(len(r.token_ids) for r in results) == useful
     kv_mib, max_seqs = llm.cache.nbytes / 2**20, llm.max_seqs
