@@ -75,6 +75,7 @@ class RequestHandle:
         self.transitions: list[tuple[str, float]] = [("waiting", self.submitted_at)]
         self.num_generated = 0
         self.reused_tokens = 0        # prompt tokens whose K/V came from the session's cached pages
+        self.prefilled_tokens = 0     # prompt tokens whose K/V are in the cache (chunked prefill's progress)
         self.num_preemptions = 0
 
     # ---- consumer side -------------------------------------------------------------------------
@@ -166,6 +167,7 @@ class RequestHandle:
     def info(self) -> dict:
         """Plain data for stats()."""
         return {"request_id": self.request_id, "state": self.state, "prompt_tokens": len(self.prompt_token_ids),
+                "prefilled_tokens": self.prefilled_tokens,
                 "generated_tokens": self.num_generated, "reused_tokens": self.reused_tokens,
                 "preemptions": self.num_preemptions, "submitted": self.submitted_at,
                 "first_token": self.first_token_at, "finished": self.finished_at,
@@ -201,7 +203,7 @@ class EngineLoop:
         self._stops: dict[int, StopStringMatcher] = {}     # requests with stop strings
         self._collectors: list[list[dict]] = []
         self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
-        self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, rows, kind)
+        self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, sampled, kind)
         self._ttft: deque[float] = deque(maxlen=RECENT_REQUESTS)
         self.tokens_generated = 0
         self.num_steps = 0
@@ -352,21 +354,30 @@ class EngineLoop:
         sched.step_log.clear()
 
     def _account(self, entry: dict, t0: float, t1: float) -> None:
-        """Hand each row's token to its request; finish the ones the scheduler finished."""
+        """Move each row's request to its state; hand each sampled token to its request; finish the
+        ones the scheduler finished. (A chunk that stops short of its prompt's end sampled nothing.)"""
         self.num_steps += 1
-        self._steps.append((t0, t1, entry["rows"], entry["kind"]))
+        self._steps.append((t0, t1, entry["sampled"], entry["kind"]))
         for request_id in entry["preempted"]:
             handle = self._handles[request_id]
             handle.num_preemptions += 1
+            handle.prefilled_tokens = 0
+            if not handle.num_generated:      # its prompt is computed again from position 0
+                handle.reused_tokens = 0
             handle._enter("preempted", t0)
         finished = {r.request_id: r for r in self.scheduler.pop_finished()}
         final_text: dict[int, str] = {}
-        rows = zip(entry["request_ids"], entry["sampled"], entry["start_positions"], strict=True)
-        for request_id, token, start in rows:
+        admitted, prefilling = set(entry["admitted"]), set(entry["prefill_ids"])
+        chunk_ends = {rid: start + n for rid, start, n, samples in entry["chunks"] if not samples}
+        for request_id, start in zip(entry["request_ids"], entry["start_positions"], strict=True):
             handle = self._handles[request_id]
-            handle._enter(entry["kind"], t0)
-            if entry["kind"] == "prefill" and not handle.num_generated:
-                handle.reused_tokens = start      # a first prefill starts after the reused prefix
+            handle._enter("prefill" if request_id in prefilling else "decode", t0)
+            if request_id in admitted:        # a first row starts after the prefix reused from the session
+                handle.reused_tokens = start
+            prompt_len = len(handle.prompt_token_ids)
+            handle.prefilled_tokens = min(chunk_ends.get(request_id, prompt_len), prompt_len)
+        for request_id, token in zip(entry["sampled_ids"], entry["sampled_tokens"], strict=True):
+            handle = self._handles[request_id]
             handle.num_generated += 1
             self.tokens_generated += 1
             if handle.first_token_at is None:
