@@ -71,12 +71,14 @@ def test_chunked_prefill_agrees_on_gpu(model_dir):
     paged cache, mixed with decodes; tokens agree with unchunked prefill (near-ties aside, as above)."""
     import engine
     from engine.llm import LLM
+    from engine.config import load_config
+    max_context = min(400, load_config(model_dir).max_position_embeddings)   # tiny presets: 128-256
     rng = np.random.default_rng(4)
-    prompts = [list(rng.integers(3, 200, n)) for n in (300, 7, 150, 61)]
+    prompts = [list(rng.integers(3, 200, n * max_context // 400)) for n in (300, 7, 150, 61)]
     params = [engine.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 20, 9, 12)]
     outs, logs = {}, {}
     for chunked in (True, False):
-        llm = LLM(model_dir, backend="cupy", max_context=400, max_seqs=4, max_batch_tokens=48,
+        llm = LLM(model_dir, backend="cupy", max_context=max_context, max_seqs=4, max_batch_tokens=48,
                   chunked_prefill=chunked)
         outs[chunked] = [r.token_ids for r in llm.generate(prompts, params)]
         logs[chunked] = llm.last_step_log
