@@ -10,7 +10,7 @@ import numpy as np
 from engine.config import LlamaConfig
 from engine.exercises import check_cases
 from engine.exercises.ch08 import config_label, preset_config
-from engine.paged_kv import PageAllocator, SlotAllocator
+from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.step_log import summarize
 from engine.random_model import write_random_model
 from engine.sampling import SamplingParams
