@@ -27,9 +27,9 @@ from engine.backend import resolve_backend
 from engine.config import check_serving_args, load_config
 from engine.engine_loop import BatchFailed, EngineLoop, RequestHandle
 from engine.graph_runner import DecodeGraphs
+from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
-from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.sampling import SamplingParams, sample, step_uniform
 from engine.scheduler import ADMISSIONS, Scheduler
 

@@ -16,14 +16,20 @@ import zipfile
 
 import numpy as np
 import pytest
+from fixtures.make_reference_fixtures import (
+    FIXTURE,
+    FRANCE_ANSWER,
+    PROMPTS,
+    eos_ids_of,
+    split_digits,
+    tokenizer_comparison,
+)
+from helpers.default_model import write_tiny_llama_gguf  # (the default_model_dir fixtures come from conftest.py)
 
 import engine
-from helpers.default_model import default_gguf_path, default_model_dir, write_tiny_llama_gguf  # noqa: F401
 from engine import default_model
 from engine.default_model import DefaultModelError, ensure_default_model
 from engine.gguf_convert import CONVERTER_VERSION, MARKER_FILE, sha256_file
-from fixtures.make_reference_fixtures import (FIXTURE, FRANCE_ANSWER, PROMPTS, eos_ids_of, split_digits,
-                                     tokenizer_comparison)
 
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))
 VOCAB = 49152

@@ -8,13 +8,21 @@ import importlib.util
 import json
 import struct
 
+import gguf
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers.default_model import (
+    CHAT_TEMPLATE,
+    LAYER_TYPES,
+    TINY,
+    Q,
+    llama_cpp_permute,
+    tiny_vocab,
+    write_tiny_llama_gguf,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import gguf
-from helpers.default_model import (CHAT_TEMPLATE, LAYER_TYPES, Q, TINY, llama_cpp_permute, tiny_vocab,
-                                    write_tiny_llama_gguf)
 from engine import gguf_convert
 from engine.gguf_convert import MARKER_FILE, GGUFConversionError, convert_gguf
 from engine.safetensors import load_file

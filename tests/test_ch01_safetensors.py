@@ -16,8 +16,14 @@ from hypothesis.extra import numpy as hnp
 
 from engine.backend import bf16_to_f32, cupy_unavailable_reason, f32_to_bf16
 from engine.safetensors import (
-    DTYPES, INDEX_FILE, SafetensorsError, TensorNotFoundError, load_file, open_checkpoint,
-    safe_open, save_file,
+    DTYPES,
+    INDEX_FILE,
+    SafetensorsError,
+    TensorNotFoundError,
+    load_file,
+    open_checkpoint,
+    safe_open,
+    save_file,
 )
 
 # Every dtype NumPy can hold directly, with the name the format gives it.

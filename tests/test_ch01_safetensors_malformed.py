@@ -14,7 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.safetensors import (
-    INDEX_FILE, MAX_HEADER_LENGTH, SafetensorsError, load_file, open_checkpoint, safe_open, save_file,
+    INDEX_FILE,
+    MAX_HEADER_LENGTH,
+    SafetensorsError,
+    load_file,
+    open_checkpoint,
+    safe_open,
+    save_file,
 )
 
 FUZZ = settings(max_examples=150, deadline=None,

@@ -11,10 +11,10 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
+from fixtures.make_tokenizer_fixtures import CONVERSATIONS, DATE
 
 from engine.chat_template import ChatTemplateError, render_chat_template, validate_messages
 from engine.tokenizer import load_tokenizer
-from fixtures.make_tokenizer_fixtures import CONVERSATIONS, DATE
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "tokenizer_chat_expected.json").read_text(encoding="utf-8"))

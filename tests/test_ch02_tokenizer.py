@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from engine.tokenizer import (BYTE_TO_CHAR, Tokenizer, TokenizerError, bpe_merge,  # noqa: E402
-                              load_tokenizer)
+from engine.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, bpe_merge, load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))
@@ -42,7 +41,7 @@ def llama3_spec() -> dict:
     return json.loads(llama3_json_path().read_text(encoding="utf-8"))
 
 
-def pair(spec: dict) -> tuple[Tokenizer, "tokenizers.Tokenizer"]:
+def pair(spec: dict) -> tuple[Tokenizer, tokenizers.Tokenizer]:
     """(ours, oracle) built from the same tokenizer.json contents."""
     return Tokenizer(spec), tokenizers.Tokenizer.from_str(json.dumps(spec))
 

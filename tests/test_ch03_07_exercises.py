@@ -7,12 +7,9 @@ import math
 
 import numpy as np
 import pytest
-
-from engine.exercises import ch03, ch04, ch05, ch06, ch07
-
-
 from helpers.exercises import accepts, not_attempted, rejects, verdict  # noqa: E402
 
+from engine.exercises import ch03, ch04, ch05, ch06, ch07
 
 # ----------------------------------------------------------------------------- chapter 03
 

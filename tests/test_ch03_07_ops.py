@@ -11,10 +11,18 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers.oracle import FIXTURES, needs_transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from engine.backend import (BackendError, bf16_to_f32, cupy_unavailable_reason, f32_to_bf16,
-                            resolve_backend, round_to_bf16)
+from engine.backend import (
+    BackendError,
+    bf16_to_f32,
+    cupy_unavailable_reason,
+    f32_to_bf16,
+    resolve_backend,
+    round_to_bf16,
+)
 from engine.config import config_from_dict
 from engine.ops.argmax import argmax_rows
 from engine.ops.attention import causal_attention_ref, prefill_attention, softmax
@@ -25,7 +33,6 @@ from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, 
 from engine.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from engine.ops.rope import rope_inv_freq, rope_qkv, rope_ref, rope_tables
 from engine.random_model import PRESETS
-from helpers.oracle import FIXTURES, needs_transformers
 
 # (query heads, KV heads): GQA ratios 1, 3, 4, and MQA with 3 and 4 query heads
 HEADS = [(5, 5), (6, 2), (9, 3), (8, 2), (3, 1), (4, 1)]
@@ -175,7 +182,8 @@ def test_rope_ref_is_complex_rotation(D):
     out = rope_ref(x, positions, cos, sin)
     np.testing.assert_allclose(out, rope_complex(x, angles), rtol=1e-5, atol=1e-6)
     # a rotation: every pair keeps its length
-    norms = lambda y: np.hypot(y[..., :D // 2], y[..., D // 2:])
+    def norms(y):
+        return np.hypot(y[..., :D // 2], y[..., D // 2:])
     np.testing.assert_allclose(norms(out), norms(x), rtol=1e-5)
 
 
@@ -241,7 +249,8 @@ def test_rope_scores_depend_only_on_relative_position(m, n, shift, seed):
     cos, sin = rope_tables(config, 256)
     rng = np.random.default_rng(seed)
     q, k = randn(rng, 1, 1, config.head_dim), randn(rng, 1, 1, config.head_dim)
-    score = lambda a, b: float(np.sum(rope_ref(q, np.array([a]), cos, sin) * rope_ref(k, np.array([b]), cos, sin)))
+    def score(a, b):
+        return float(np.sum(rope_ref(q, np.array([a]), cos, sin) * rope_ref(k, np.array([b]), cos, sin)))
     assert score(m, n) == pytest.approx(score(m + shift, n + shift), abs=2e-4 * (1 + abs(score(m, n))))
 
 

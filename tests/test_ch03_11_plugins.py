@@ -1,7 +1,6 @@
 """engine.use_stage: a learner's stage replaces the engine's inside the real model, and only inside the block."""
-import threading
-
 import re
+import threading
 
 import numpy as np
 import pytest

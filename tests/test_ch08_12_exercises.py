@@ -6,14 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from helpers.exercises import accepts, not_attempted, rejects, verdict  # noqa: E402
 
 from engine.exercises import ch08, ch12
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch
-
-
-from helpers.exercises import accepts, not_attempted, rejects, verdict  # noqa: E402
-
 
 # ----------------------------------------------------------------------------- chapter 08 solutions
 

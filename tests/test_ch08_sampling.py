@@ -17,9 +17,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers.oracle import gen_model_dir, greedy_no_cache, needs_transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers.oracle import gen_model_dir, greedy_no_cache, needs_transformers
 
 from engine.chat_session import ChatSession
 from engine.llm import LLM

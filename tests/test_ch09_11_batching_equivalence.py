@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from helpers.oracle import GEN_CONFIG, GEN_CONFIGS, ForwardCounter, gen_model_dir, greedy_no_cache
 
-from engine.config import config_from_dict
 from engine.chat_session import ChatSession
+from engine.config import config_from_dict
 from engine.llm import LLM
 from engine.model import load_model
 from engine.sampling import SamplingParams

@@ -7,12 +7,9 @@ import math
 
 import numpy as np
 import pytest
-
-from engine.exercises import ch09, ch10, ch11
-
-
 from helpers.exercises import accepts, not_attempted, rejects, verdict  # noqa: E402
 
+from engine.exercises import ch09, ch10, ch11
 
 # ----------------------------------------------------------------------------- chapter 09
 
@@ -159,8 +156,9 @@ def test_ch11_checkers(capsys):
     rejects(ch11.check_pages_needed, lambda p, n, ps, c: (min(p + n, c) - 1) // ps, capsys, "rounds down")
 
     accepts(ch11.check_online_update, online_update, capsys)
-    no_rescale = lambda m, l, acc, s, v: (max(m, s), online_update(m, l, acc, s, v)[1],
-                                          acc + math.exp(s - max(m, s)) * v)
+    def no_rescale(m, l, acc, s, v):
+        return (max(m, s), online_update(m, l, acc, s, v)[1],
+                                              acc + math.exp(s - max(m, s)) * v)
     rejects(ch11.check_online_update, no_rescale, capsys, "acc was not rescaled")
     rejects(ch11.check_online_update, lambda m, l, acc, s, v: (max(m, s), l + math.exp(s), acc + math.exp(s) * v),
             capsys, "running max")

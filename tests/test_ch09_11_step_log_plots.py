@@ -8,7 +8,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from engine import plots, step_log  # noqa: E402
 from engine.exercises.ch09 import STAND_IN_TOKEN, run_scheduler  # noqa: E402

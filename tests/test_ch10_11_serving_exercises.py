@@ -6,9 +6,9 @@ from helpers.exercises import verdict
 from engine.exercises.ch10 import SchedulerSkeleton, check_scheduler
 from engine.exercises.ch11 import PageAllocatorSkeleton, check_page_allocator
 from engine.exercises.model_check import check_in_model
+from engine.kv_allocator import AllocatorError, OutOfPages
 from engine.ops.paged_attention import paged_attention_ref
 from engine.ops.rmsnorm import rmsnorm_ref
-from engine.kv_allocator import AllocatorError, OutOfPages
 
 
 class MyScheduler(SchedulerSkeleton):

@@ -1,6 +1,7 @@
 """The page allocators alone: tables that cover what was asked, exact rollback, no leaks."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.kv_allocator import AllocatorError, OutOfPages, PageAllocator, SlotAllocator
 

@@ -70,8 +70,8 @@ def test_chunked_prefill_agrees_on_gpu(model_dir):
     """Prompts of up to 300 tokens through a 48-token budget: chunks read their earlier chunks from the
     paged cache, mixed with decodes; tokens agree with unchunked prefill (near-ties aside, as above)."""
     import engine
-    from engine.llm import LLM
     from engine.config import load_config
+    from engine.llm import LLM
     max_context = min(400, load_config(model_dir).max_position_embeddings)   # tiny presets: 128-256
     rng = np.random.default_rng(4)
     prompts = [list(rng.integers(3, 200, n * max_context // 400)) for n in (300, 7, 150, 61)]
@@ -101,6 +101,7 @@ def test_seeded_sampling_reproducible_on_gpu(model_dir):
 def test_hello_kernels():
     """Chapter 00's first kernels: y = a*x + b, and bf16 bits -> fp32 for all 65,536 patterns."""
     import cupy as cp
+
     from engine.backend import bf16_to_f32, load_kernel
     n = 1_000_003
     x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
-from engine.ops.paged_attention import NWARPS
 from engine.kv_allocator import PageAllocator
+from engine.ops.paged_attention import NWARPS
 from engine.sampling import SamplingParams
 from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
 

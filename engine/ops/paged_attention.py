@@ -14,10 +14,10 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel, sm_count
 from engine.config import ConfigError, LlamaConfig
-
-NWARPS = 4          # warps per page of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 from engine.ops.attention import softmax, split_qkv
 from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
+
+NWARPS = 4          # warps per thread block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 
 
 def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
@@ -84,13 +84,13 @@ def check_gpu_shape(config: LlamaConfig) -> None:
 def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
     """How many slices of the context each (row, KV head) is cut into.
 
-    With fewer (row, KV head) pages than about one wave (~3 per SM) most SMs would idle, so the
+    With fewer (row, KV head) thread blocks than about one wave (~3 per SM) most SMs would idle, so the
     context is split until there are that many, keeping at least 128 keys per slice so that the
     merge stays cheap. Measured on an H200: 64 sequences x 2,048 keys is fastest unsplit; one
     sequence of 4,096 keys runs ~6x faster with 8+ slices than unsplit.
     """
-    pages = rows * n_kv_heads
-    wanted = -(-3 * n_sms // pages)              # ceil
+    blocks = rows * n_kv_heads                   # thread blocks of one split
+    wanted = -(-3 * n_sms // blocks)              # ceil
     return int(max(1, min(wanted, -(-max_context // 128), 64)))
 
 

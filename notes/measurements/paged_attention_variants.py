@@ -1,8 +1,12 @@
 """Time the paged decode-attention kernel for pipeline-stages x unroll x split variants (GPU; python notes/measurements/paged_attention_variants.py)."""
-import numpy as np, cupy as cp, engine.ops.paged_attention as PA
+import cupy as cp
+import numpy as np
+
+import engine.ops.paged_attention as PA
 from engine.backend import load_kernel
 from engine.config import config_from_dict
 from engine.kernel_bench import Bench
+
 b = Bench(False)
 cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 2048, "intermediate_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64})

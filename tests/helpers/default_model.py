@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 
 Q = gguf.GGMLQuantizationType
 

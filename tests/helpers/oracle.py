@@ -40,7 +40,7 @@ needs_transformers = pytest.mark.skipif(
 _workdir = tempfile.TemporaryDirectory(prefix="engine-oracle-")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_model_dir(name: str, config_json: str | None = None, seed: int = 0, dtype: str = "BF16") -> Path:
     """A random model directory written once per test process (config_json: a config as JSON text,
     or None for the preset `name`)."""
