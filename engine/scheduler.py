@@ -562,8 +562,9 @@ class Scheduler:
         scheduled, preempted = [], []
         while queue:
             request = self._requests[queue.popleft()]
-            while not self.allocator.can_reserve(request.request_id, request.num_tokens):
-                if self._parked and request.num_tokens <= self.allocator.max_seq_len:
+            n = request.num_tokens
+            while not self.allocator.can_reserve(request.request_id, n):
+                if self._parked and n <= self.allocator.max_seq_len:
                     self._evict_oldest_parked()   # cached pages go before anyone is preempted
                     continue
                 victim = queue.pop() if queue else request.request_id
@@ -572,11 +573,10 @@ class Scheduler:
                 if victim == request.request_id:
                     break
             else:
-                self.allocator.reserve(request.request_id, request.num_tokens)
-                scheduled.append(request.request_id)
-        self._running = scheduled
-        rows = [self._row(self._requests[rid], self._requests[rid].generated[-1:],
-                          start_pos=self._requests[rid].num_tokens - 1) for rid in scheduled]
+                self.allocator.reserve(request.request_id, n)
+                scheduled.append(request)
+        self._running = [request.request_id for request in scheduled]
+        rows = [self._row(request, request.generated[-1:], start_pos=request.num_tokens - 1) for request in scheduled]
         return rows, preempted
 
     def _preempt(self, request_id: int) -> None:
