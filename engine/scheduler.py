@@ -646,10 +646,10 @@ class Scheduler:
             "batch_id": batch.batch_id,
             "kind": batch.kind,
             "request_ids": [row.request_id for row in batch.rows],
-            "start_positions": [row.start_pos for row in batch.rows],
+            "start_positions": batch.start_positions.tolist(),      # the runner's arrays, built once
             "rows": len(batch.rows),
             "tokens": batch.num_tokens,
-            "context_tokens": int(sum(row.context_len for row in batch.rows)),
+            "context_tokens": int(batch.context_lens.sum()),
             "arrived": list(range(self._logged_request_id, self._next_request_id)),
             "admitted": [row.request_id for row in prefill_rows if not row.num_generated],
             "recomputed_tokens": sum(len(row.token_ids) for row in prefill_rows if row.num_generated),
