@@ -15,9 +15,15 @@ ceiling (copy bandwidth). Scenarios:
   serve-http  the same workload sent at once over HTTP to `python -m engine.serve` (streaming, one
            client process), against LLM.generate in the same run: throughput ratio, time to first
            token p50/p99 (engine/bench_http.py)
+  long-prefill   one prompt of each of --lengths tokens: one forward pass (last logits only) and
+           the serving path (LLM, chunked prefill into the paged cache, time to the first token)
+  chunked-itl    --itl-requests requests are decoding when a --long-prompt-token prompt arrives:
+           p50/p99 inter-token latency of the running requests with and without chunked prefill
 
     python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario prefill decode --hf
     python -m engine.bench --backend numpy --scenario decode --prompt-len 128 --new-tokens 128 --hf
+    python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario long-prefill chunked-itl --hf
+
     python -m engine.bench --preset llama-3.2-1b --backend cupy --profile     # per-kernel times of a step
 
 --profile (with or without scenarios) prints the per-kernel GPU times of one decode step at each
@@ -40,7 +46,8 @@ import numpy as np
 from engine.backend import BACKENDS, copy_bandwidth, resolve_backend
 from engine.config import load_config
 
-SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http")
+SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
+             "chunked-itl")
 
 
 def emit(record: dict) -> None:
@@ -273,6 +280,144 @@ def run_profile(args, setup, model, ceiling_gbps) -> None:
         Path(args.profile_json).write_text(json.dumps(everything, indent=1) + "\n")
 
 
+def _timed_forward(model, ids, reps: int) -> float:
+    """Seconds of one whole-prompt forward pass with the last position's logits only."""
+    from engine.model import ForwardBatch
+    batch = ForwardBatch.single(ids, logits_rows=[len(ids) - 1])
+    model.forward(batch)                                   # warm-up: kernels compile, pools grow
+    model.backend.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        model.forward(batch)
+    model.backend.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def scenario_long_prefill(args, setup, model_dir, backend, hf):
+    """Prefill time vs length: the model's forward pass, the serving path, and transformers."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    cfg = load_config(model_dir)
+    rng = np.random.default_rng(2)
+    longest = max(args.lengths)
+    llm = LLM(model_dir, backend, max_context=args.max_context or min(cfg.max_position_embeddings,
+                                                                      longest + args.long_new_tokens + 8),
+              max_seqs=1, max_batch_tokens=args.max_batch_tokens, kv_cache_mib=args.kv_cache_mib)
+    for n in args.lengths:
+        ids = random_prompt(rng, n, cfg.vocab_size)
+        rec = {**setup, "scenario": "long-prefill", "prompt_len": n, "max_batch_tokens": llm.max_batch_tokens}
+        try:
+            sec = _timed_forward(llm.model, ids, reps=3 if n <= 8192 else 1)
+            rec.update(forward_ms=round(sec * 1e3, 1), forward_tok_per_s=round(n / sec, 1))
+            # the serving path: chunked prefill into the paged cache, then a few decode steps (a prompt
+            # as long as the whole context leaves no room for them: it is cut to fit)
+            served = ids[:llm.max_context - args.long_new_tokens]
+            rec["llm_prompt_len"] = len(served)
+            llm.generate([served], SamplingParams(max_new_tokens=args.long_new_tokens, ignore_eos=True))
+            seconds = [entry["seconds"] for entry in llm.last_step_log]
+            first = next(i for i, entry in enumerate(llm.last_step_log) if entry["sampled"])
+            ttft = sum(seconds[:first + 1])
+            rec.update(llm_ttft_ms=round(ttft * 1e3, 1), llm_prefill_tok_per_s=round(len(served) / ttft, 1),
+                       llm_prefill_steps=first + 1)
+            if len(seconds) > first + 1:
+                rec["llm_decode_ms_per_token"] = round(float(np.mean(seconds[first + 1:])) * 1e3, 2)
+        except Exception as exc:                       # e.g. out of memory: report it, go on
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if hf is not None:
+            try:
+                hs = hf.prefill_seconds(ids, last_only=True)
+                rec.update(hf_ms=round(hs * 1e3, 1), hf_tok_per_s=round(n / hs, 1))
+                if "forward_ms" in rec:
+                    rec["ratio_vs_hf"] = round(rec["forward_ms"] / rec["hf_ms"], 3)
+            except Exception as exc:
+                rec["hf_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                hf.torch.cuda.empty_cache() if hf.device == "cuda" else None
+        emit(rec)
+        if backend.is_gpu:
+            backend.xp.get_default_memory_pool().free_all_blocks()
+    llm.close()
+
+
+def inter_token_latencies(token_times: dict[int, list[float]], start: float, end: float) -> list[float]:
+    """Gaps between consecutive tokens of each request, for the tokens produced in (start, end]."""
+    gaps = []
+    for times in token_times.values():
+        gaps += [b - a for a, b in zip(times[:-1], times[1:], strict=True) if start < b <= end]
+    return gaps
+
+
+def run_itl(llm, running, long_prompt, decode_params, long_params, settle_steps: int = 4) -> dict:
+    """Start `running` decoding, let them settle, submit the long prompt, step until its first token
+    and settle_steps more; the running requests' inter-token gaps before the arrival and from the
+    arrival to the end (the stall of an unchunked prefill shows in the tail, p99 and max)."""
+    sched = llm.new_scheduler()
+    ids = [sched.submit(p, decode_params) for p in running]
+    seeds = dict.fromkeys(ids, 0)
+    token_times: dict[int, list[float]] = {rid: [] for rid in ids}
+
+    def step():
+        llm.step(sched, seeds)
+        llm.backend.synchronize()
+        now = time.perf_counter()
+        entry = sched.step_log[-1]
+        for rid in entry["request_ids"]:
+            if rid in token_times and rid not in entry["prefill_ids"]:
+                token_times[rid].append(now)
+        return entry
+
+    while any(not times for times in token_times.values()):     # every running request has a token
+        step()
+    for _ in range(settle_steps):
+        step()
+    arrival = time.perf_counter()
+    long_id = sched.submit(long_prompt, long_params)
+    seeds[long_id] = 0
+    steps = 0
+    while True:
+        entry = step()
+        steps += 1
+        if long_id in entry["request_ids"] and long_id not in {c[0] for c in entry["chunks"] if not c[3]}:
+            break
+    first_token = time.perf_counter()
+    for _ in range(settle_steps):
+        step()
+    end = time.perf_counter()
+    for rid in list(sched.snapshot()["waiting"]) + list(sched.snapshot()["running"]):
+        sched.cancel(rid)
+    before = inter_token_latencies(token_times, 0.0, arrival)
+    during = inter_token_latencies(token_times, arrival, end)
+    pct = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 2) if xs else None   # noqa: E731
+    return {"ttft_long_ms": round((first_token - arrival) * 1e3, 1), "steps_to_first_token": steps,
+            "itl_before_p50_ms": pct(before, 50), "itl_p50_ms": pct(during, 50), "itl_p99_ms": pct(during, 99),
+            "itl_max_ms": pct(during, 100)}
+
+
+def scenario_chunked_itl(args, setup, model_dir, backend):
+    """Running requests' inter-token latency while a long prompt is prefilled, chunked or not."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    cfg = load_config(model_dir)
+    rng = np.random.default_rng(3)
+    running = [random_prompt(rng, args.itl_prompt_len, cfg.vocab_size) for _ in range(args.itl_requests)]
+    long_prompt = random_prompt(rng, args.long_prompt, cfg.vocab_size)
+    decode_params = SamplingParams(max_new_tokens=args.max_context or cfg.max_position_embeddings, ignore_eos=True)
+    for chunked in (True, False):
+        llm = LLM(model_dir, backend, max_context=args.long_prompt + args.itl_prompt_len + 64,
+                  max_seqs=args.itl_requests + 1, max_batch_tokens=args.max_batch_tokens,
+                  kv_cache_mib=args.kv_cache_mib, chunked_prefill=chunked)
+        room = llm.max_context - args.itl_prompt_len - 1
+        params = SamplingParams(max_new_tokens=min(decode_params.max_new_tokens, room), ignore_eos=True)
+        run_itl(llm, running[:2], long_prompt[:64], params, SamplingParams(max_new_tokens=2))   # warm-up
+        rec = run_itl(llm, running, long_prompt, params, SamplingParams(max_new_tokens=2))
+        emit({**setup, "scenario": "chunked-itl", "chunked_prefill": chunked, "running": args.itl_requests,
+              "running_prompt_len": args.itl_prompt_len, "long_prompt": args.long_prompt,
+              "max_batch_tokens": llm.max_batch_tokens, **rec})
+        llm.close()
+        del llm
+        if backend.is_gpu:
+            backend.xp.get_default_memory_pool().free_all_blocks()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group()
@@ -299,6 +444,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--profile-context", type=int, default=1024, help="tokens each profiled row attends to")
     ap.add_argument("--profile-json", default=None, help="also write the profile records to this JSON file")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072],
+                    help="long-prefill: prompt lengths")
+    ap.add_argument("--long-new-tokens", type=int, default=16, help="long-prefill: tokens decoded after the prompt")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="the step's token budget (chunk size)")
+    ap.add_argument("--itl-requests", type=int, default=64, help="chunked-itl: requests decoding")
+    ap.add_argument("--itl-prompt-len", type=int, default=256, help="chunked-itl: their prompt length")
+    ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
     args = ap.parse_args(argv)
     if args.hf and not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         print("error: --hf measures transformers in the same run, which needs torch and transformers: "
@@ -346,8 +498,8 @@ def main(argv=None) -> int:
         scenario_decode(args, setup, model, hf, ceiling)
     if args.profile:
         run_profile(args, setup, model, ceiling)
-    if "serve" in args.scenario or "serve-oversubscribed" in args.scenario:
-        del model
+    if {"serve", "serve-oversubscribed"} & set(args.scenario):
+        model = None                                   # serving loads its own model: free this one
     if "serve" in args.scenario:
         scenario_serve(args, setup, model_dir, backend, hf)
     if "serve-oversubscribed" in args.scenario:
@@ -355,6 +507,12 @@ def main(argv=None) -> int:
     if "serve-http" in args.scenario:
         from engine.bench_http import scenario_serve_http
         scenario_serve_http(args, setup, model_dir, backend)
+    if "long-prefill" in args.scenario:
+        model = None
+        scenario_long_prefill(args, setup, model_dir, backend, hf)
+    if "chunked-itl" in args.scenario:
+        model = None
+        scenario_chunked_itl(args, setup, model_dir, backend)
     return 0
 
 

@@ -89,6 +89,7 @@ class RequestHandle:
         self.transitions: list[tuple[str, float]] = [("waiting", self.submitted_at)]
         self.num_generated = 0
         self.reused_tokens = 0        # prompt tokens whose K/V came from the session's cached pages
+        self.prefilled_tokens = 0     # prompt tokens whose K/V are in the cache (chunked prefill's progress)
         self.num_preemptions = 0
 
     # ---- consumer side -------------------------------------------------------------------------
@@ -198,6 +199,7 @@ class RequestHandle:
     def info(self) -> dict:
         """Plain data for stats()."""
         return {"request_id": self.request_id, "state": self.state, "prompt_tokens": len(self.prompt_token_ids),
+                "prefilled_tokens": self.prefilled_tokens,
                 "generated_tokens": self.num_generated, "reused_tokens": self.reused_tokens,
                 "preemptions": self.num_preemptions, "submitted": self.submitted_at,
                 "first_token": self.first_token_at, "finished": self.finished_at,
@@ -234,7 +236,7 @@ class EngineLoop:
         self._stops: dict[int, StopStringMatcher] = {}     # is read here, to find the stop
         self._collectors: list[list[dict]] = []
         self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
-        self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, rows, kind)
+        self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, sampled, kind)
         self._ttft: deque[float] = deque(maxlen=RECENT_REQUESTS)
         self.tokens_generated = 0
         self.num_steps = 0
@@ -384,33 +386,41 @@ class EngineLoop:
         sched.step_log.clear()
 
     def _account(self, entry: dict, t0: float, t1: float) -> None:
-        """Hand each row's token to its request; finish the ones the scheduler finished.
+        """Move each row's request to its state; hand each sampled token to its request; finish the
+        ones the scheduler finished. (A chunk that stops short of its prompt's end sampled nothing.)
 
         The common row (a decode step of a request already decoding, no stop strings) costs a few
         attribute updates and one list append; events and text are made when someone reads them.
         """
         self.num_steps += 1
-        kind = entry["kind"]
-        self._steps.append((t0, t1, entry["rows"], kind))
+        self._steps.append((t0, t1, entry["sampled"], entry["kind"]))
         for request_id in entry["preempted"]:
             handle = self._handles[request_id]
             handle.num_preemptions += 1
+            handle.prefilled_tokens = 0
+            if not handle.num_generated:      # its prompt is computed again from position 0
+                handle.reused_tokens = 0
             handle._enter("preempted", t0)
         finished = {r.request_id: r for r in self.scheduler.pop_finished()}
         final_text: dict[int, str] = {}
-        delivered: list[tuple[RequestHandle, int, str | None]] = []   # (handle, token, text: stop strings only)
-        rows = zip(entry["request_ids"], entry["sampled"], entry["start_positions"], strict=True)
-        for request_id, token, start in rows:
+        admitted, prefilling = set(entry["admitted"]), set(entry["prefill_ids"])
+        chunk_ends = {rid: start + n for rid, start, n, samples in entry["chunks"] if not samples}
+        for request_id, start in zip(entry["request_ids"], entry["start_positions"], strict=True):
             handle = self._handles[request_id]
-            steady = kind == "decode" and handle.state == "decode"     # nothing on its timeline changes
-            if not steady:
-                handle._enter(kind, t0)
-                if kind == "prefill" and not handle.num_generated:
-                    handle.reused_tokens = start      # a first prefill starts after the reused prefix
-                if handle.first_token_at is None:
-                    handle.first_token_at = t1
-                    self._ttft.append(t1 - handle.submitted_at)
+            if handle.state == "decode" and request_id not in prefilling:
+                continue                      # decoding on: its state and prompt progress stay as they are
+            handle._enter("prefill" if request_id in prefilling else "decode", t0)
+            if request_id in admitted:        # a first row starts after the prefix reused from the session
+                handle.reused_tokens = start
+            prompt_len = len(handle.prompt_token_ids)
+            handle.prefilled_tokens = min(chunk_ends.get(request_id, prompt_len), prompt_len)
+        delivered: list[tuple[RequestHandle, int, str | None]] = []   # (handle, token, text: stop strings only)
+        for request_id, token in zip(entry["sampled_ids"], entry["sampled_tokens"], strict=True):
+            handle = self._handles[request_id]
             handle.num_generated += 1
+            if handle.first_token_at is None:
+                handle.first_token_at = t1
+                self._ttft.append(t1 - handle.submitted_at)
             if request_id in finished:
                 continue
             text = None
@@ -421,10 +431,9 @@ class EngineLoop:
                     result.finish_reason = "stop"
                     finished[request_id], final_text[request_id] = result, text
                     continue
-            if not steady:
-                handle._enter("decode", t1)
+            handle._enter("decode", t1)
             delivered.append((handle, token, text))
-        self.tokens_generated += entry["rows"]
+        self.tokens_generated += len(entry["sampled_ids"])
         listeners = []
         with self._handles_cv:
             for handle, token, text in delivered:

@@ -35,7 +35,13 @@ from engine.scheduler import ADMISSIONS, Scheduler
 
 BATCHING = ("continuous", "static")
 KV_CACHES = ("paged", "contiguous")
+# The contiguous cache's default context: each slot reserves max_context positions up front, so the
+# model's whole context (131,072 for Llama 3.2) would leave room for a handful of sequences at most.
 DEFAULT_MAX_CONTEXT = 4096
+# What the KV pool may take by default: half of the GPU memory free after the weights are loaded
+# (the rest is for activations, the logits and cuBLAS workspaces), 1 GiB of host memory on the CPU.
+GPU_KV_FRACTION = 0.5
+CPU_KV_MIB = 1024.0
 
 
 @dataclass
@@ -61,19 +67,37 @@ class RowLabels:
         return f"request {row.request_id}, step {row.num_generated}"
 
 
-def default_max_context(model_max: int) -> int:
-    return min(model_max, DEFAULT_MAX_CONTEXT)
+def default_max_context(model_max: int, kv_cache: str = "contiguous") -> int:
+    """The context a request may reach when none is given.
+
+    paged: the model's whole context (max_position_embeddings). Pages are taken as tokens arrive, so
+    a long context costs nothing until it is used; the pool decides how long a request can get, and
+    one that could never fit in it is refused at submit.
+    contiguous (and ChatSession): at most DEFAULT_MAX_CONTEXT, because every slot reserves its whole
+    context whether it is used or not.
+    """
+    return model_max if kv_cache == "paged" else min(model_max, DEFAULT_MAX_CONTEXT)
+
+
+def default_kv_mib(wanted_mib: float, free_gpu_bytes: int | None) -> float:
+    """The KV pool's default size: what every seat at full context would take (`wanted_mib`), capped
+    by GPU_KV_FRACTION of the free GPU memory (free_gpu_bytes), or by CPU_KV_MIB on the CPU."""
+    cap = CPU_KV_MIB if free_gpu_bytes is None else GPU_KV_FRACTION * free_gpu_bytes / 2**20
+    return min(wanted_mib, cap)
 
 
 class LLM:
     def __init__(self, model_dir, backend="auto", batching: str = "continuous", kv_cache: str = "paged",
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
-                 admission: str = "conservative", page_size: int = 16, cuda_graphs: bool | None = None,
+                 admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
+                 cuda_graphs: bool | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
-        """scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
-        exercises) runs in place of the engine's, with the same constructor arguments. cuda_graphs:
-        replay decode steps as CUDA graphs per batch size (default: on, unless ENGINE_CUDA_GRAPHS=0)."""
+        """chunked_prefill: long prompts are prefilled in chunks of the step's token budget, mixed with
+        the running requests' decodes (continuous batching; chapter 13). cuda_graphs: replay decode
+        steps as CUDA graphs per batch size (default: on, unless ENGINE_CUDA_GRAPHS=0).
+        scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
+        exercises) runs in place of the engine's, with the same constructor arguments."""
         # every argument is checked against config.json before a weight is read
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
@@ -81,13 +105,15 @@ class LLM:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None (the environment decides), got {cuda_graphs!r}")
+        if not isinstance(chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill must be True or False, got {chunked_prefill!r}")
         model_dir = Path(model_dir)
         config = load_config(model_dir)
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                            page_size=page_size, kv_cache_mib=kv_cache_mib)
         b = resolve_backend(backend)
         self.max_context = int(max_context) if max_context is not None else \
-            default_max_context(config.max_position_embeddings)
+            default_max_context(config.max_position_embeddings, kv_cache)
         self.tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
             from engine.tokenizer import load_tokenizer
@@ -96,6 +122,7 @@ class LLM:
         self.model: Model = load_model(model_dir, b, self.max_context)
         self.config, self.backend = config, b
         self.batching, self.kv_cache_kind, self.admission = batching, kv_cache, admission
+        self.chunked_prefill = chunked_prefill
         self.max_seqs = int(max_seqs) if max_seqs is not None else (256 if b.is_gpu else 16)
         self.max_batch_tokens = max(int(max_batch_tokens) if max_batch_tokens is not None else
                                     (8192 if b.is_gpu else 2048), self.max_seqs)
@@ -116,10 +143,8 @@ class LLM:
         """Enough for every sequence at full context, capped by what the device can spare."""
         per_token = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4)
         wanted = self.max_seqs * self.max_context * per_token / 2**20
-        if self.backend.is_gpu:
-            free, _ = self.backend.xp.cuda.runtime.memGetInfo()
-            return min(wanted, 0.5 * free / 2**20)
-        return min(wanted, 1024.0)
+        free = self.backend.xp.cuda.runtime.memGetInfo()[0] if self.backend.is_gpu else None
+        return default_kv_mib(wanted, free)
 
     def _allocate_cache(self, kv_cache_mib):
         mib = self._default_kv_mib() if kv_cache_mib is None else kv_cache_mib
@@ -142,7 +167,7 @@ class LLM:
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
                                   eos, policy=self.batching, admission=self.admission,
-                                  first_request_id=first_request_id)
+                                  chunked_prefill=self.chunked_prefill, first_request_id=first_request_id)
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -244,20 +269,26 @@ class LLM:
         if batch is None:
             return None
         t0 = time.perf_counter()
+        sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
         try:
+            # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
+            logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
             fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
-                              batch.slot_mapping, logits_rows=batch.last_token_indices)
+                              batch.slot_mapping, logits_rows=logits_rows)
             logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
             if logits is None and self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
                 logits = self._graph_decode(batch.rows[0])
             if logits is None:
                 logits = self.model.forward(fb, self.cache)
-            rows = batch.rows
-            uniforms = step_uniforms([seeds[row.request_id] for row in rows], [row.num_generated for row in rows])
-            tokens = sample(logits, [row.params for row in rows], uniforms, labels=RowLabels(rows))
+            tokens = []
+            if sampling:
+                uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
+                                         [row.num_generated for row in sampling])
+                tokens = sample(logits, [row.params for row in sampling], uniforms,
+                                labels=RowLabels(sampling)).tolist()
         except BaseException as exc:
             sched.fail(batch.batch_id)
             raise BatchFailed([row.request_id for row in batch.rows]) from exc
-        sched.complete(batch.batch_id, tokens.tolist())
+        sched.complete(batch.batch_id, tokens)
         sched.step_log[-1]["seconds"] = time.perf_counter() - t0
         return batch, tokens

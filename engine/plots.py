@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
-from engine.step_log import STATES, x_edges, request_timelines
+from engine.step_log import STATES, request_timelines, x_edges
 
 STATE_STYLE = {                      # (face colour, hatch)
     "waiting": ("#e6e6e6", ""),
@@ -68,7 +68,7 @@ def gantt(step_log, ax=None, title: str | None = None, x: str = "step",
             used.add(state)
     marks = [(edges[s], rid) for s, e in enumerate(step_log) for rid in e["preempted"]]
     if marks:
-        ax.scatter(*zip(*marks), marker="x", color="red", s=40, zorder=3, label="preempted")
+        ax.scatter(*zip(*marks, strict=True), marker="x", color="red", s=40, zorder=3, label="preempted")
     handles = [Patch(facecolor=STATE_STYLE[s][0], hatch=STATE_STYLE[s][1], edgecolor="0.35", label=s)
                for s in STATES if s in used]
     if marks:
@@ -92,16 +92,18 @@ def _finish(ax, handles, edges, x: str, ylabel: str, title: str | None):
 
 def occupancy(step_log, max_seqs: int | None = None, ax=None, title: str | None = None,
               x: str = "step"):
-    """Two bars per step, stacked: the batch's rows (prefill or decode colour) and the idle seats
+    """Bars per step, stacked: the batch's decode rows, its prefill rows, and the idle seats
     of static batching (hatched, height 0 when none); a line of the waiting queue; a dashed line at
     max_seqs when given."""
     ax = _axes(ax, (10, 2.8))
     edges = x_edges(step_log, x)
     left, width = edges[:-1], np.diff(edges)
     rows = np.array([e["rows"] for e in step_log])
+    prefill = np.array([len(e["prefill_ids"]) for e in step_log])   # chunked prefill mixes both kinds
     idle = np.array([e["idle_slots"] for e in step_log])
-    colors = [STATE_STYLE[e["kind"]][0] for e in step_log]
-    ax.bar(left, rows, width=width, align="edge", color=colors, edgecolor="none")
+    ax.bar(left, rows - prefill, width=width, align="edge", color=STATE_STYLE["decode"][0], edgecolor="none")
+    ax.bar(left, prefill, width=width, bottom=rows - prefill, align="edge", color=STATE_STYLE["prefill"][0],
+           edgecolor="none")
     ax.bar(left, idle, width=width, bottom=rows, align="edge", color="white", hatch="////",
            edgecolor="0.5", linewidth=0)
     ax.step(edges, np.append([e["waiting"] for e in step_log], step_log[-1]["waiting"] if step_log else 0),

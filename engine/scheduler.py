@@ -4,34 +4,45 @@ Metadata only: it never touches device memory or the model. The model runner (en
 it in a loop, one batch in flight at a time:
 
     sched = Scheduler(PageAllocator(num_pages=512), max_seqs=64, max_batch_tokens=4096,
-                      max_context=2048, eos_token_ids={2})
+                      max_context=2048, eos_token_ids={2}, chunked_prefill=True)
     rid = sched.submit(prompt_ids, params)          # params: .max_new_tokens, .ignore_eos
     while sched.has_unfinished():
-        batch = sched.schedule()                    # "prefill" or "decode"; None only when idle
+        batch = sched.schedule()                    # "prefill", "decode" or "mixed"; None only when idle
         try:
-            sampled = run_model(batch)              # one new token per row, from its last position
+            sampled = run_model(batch)              # one token per sampling row (batch.sampling_rows)
         except Exception:
             sched.fail(batch.batch_id)              # exact previous state, as if never scheduled
             raise
         sched.complete(batch.batch_id, sampled)
         results += sched.pop_finished()
 
-Rows. Every row samples exactly one token from its last position. A prefill row holds the whole
-prompt (no chunking: a prompt longer than max_batch_tokens runs alone in its own batch), or, for a
-request that was preempted, prompt + the tokens generated so far, recomputed from position 0. A decode
-row holds the one token sampled last step at position start_pos = current length - 1. A row's
-block_table covers every position it attends to: positions < context_len = start_pos + len(token_ids).
+Rows. A row feeds the next tokens of one request at positions start_pos... and attends to everything
+before them through its block_table (which covers positions < context_len = start_pos +
+len(token_ids)). A request's tokens are prompt + generated; the first `num_computed` have their K/V in
+the cache, and a row always continues from there:
+- a prefill row feeds the prompt (or, for a request that was preempted, prompt + the tokens generated
+  so far, recomputed from position 0), whole or, with chunked prefill, a chunk of it;
+- a decode row feeds the one token sampled last step, at start_pos = current length - 1.
+A row samples one token from its last position when it reaches the end of the request's tokens
+(`row.samples`); a chunk that stops short of the prompt's end samples nothing, and complete() takes
+one token per sampling row. Batch.logits_indices says which packed tokens need logits.
 
 Policies (`policy=`):
 - "continuous" (nano-vllm's, prefill first): if requests are waiting and the head of the FIFO queue
   can be admitted (a seat under max_seqs, memory for it, room in the max_batch_tokens budget), run a
   prefill batch of as many waiting requests as fit, in FIFO order, stopping at the first that does
-  not fit (no overtaking); otherwise run one decode step of every running sequence.
+  not fit (no overtaking); otherwise run one decode step of every running sequence. Without chunking
+  a prompt longer than max_batch_tokens runs alone in its own batch.
+- "continuous" with `chunked_prefill=True` (Sarathi-Serve's stall-free batching): every step carries
+  every running decode (one token each), then the next chunks of requests part-way through their
+  prompt (oldest first), then first chunks of newly admitted requests (FIFO), until the step holds
+  max_batch_tokens tokens. A long prompt is prefilled over several steps while the running requests
+  keep producing a token every step: a batch is "mixed" when it has both kinds of rows.
 - "static": form a group of up to max_seqs requests (prefilled in one or more prefill batches, FIFO,
-  under the token budget), then decode the group until EVERY member has finished, admitting nothing
-  new; then form the next group. Members that finish early keep their seat until the group ends: the
-  step log counts them as `idle_slots` (the rows a padded static batch would still compute). Their
-  memory is released at once.
+  under the token budget; with chunking, long prompts over several of them), then decode the group
+  until EVERY member has finished, admitting nothing new; then form the next group. Members that
+  finish early keep their seat until the group ends: the step log counts them as `idle_slots` (the
+  rows a padded static batch would still compute). Their memory is released at once.
 
 Admission (`admission=`), i.e. how memory is promised:
 - "conservative" (default): a request is admitted only if the pool can hold its worst case next to the
@@ -39,11 +50,12 @@ Admission (`admission=`), i.e. how memory is promised:
   blocks_needed(min(prompt + max_new_tokens, max_context) - 1) (the last sampled token is never
   written to the cache). Blocks are still taken lazily, step by step, but no step can ever run dry,
   so there is never a preemption.
-- "on_demand": a request is admitted when its prompt fits now. When a decode step cannot get a block
-  for every running sequence, the NEWEST running request is preempted (its blocks freed, its
-  generated tokens kept, put back at the HEAD of the waiting queue to be re-prefilled with
-  prompt + generated) until the step fits. No request is lost and, for a deterministic model, outputs
-  are unchanged; the price is recomputation (`recomputed_tokens` in the step log).
+- "on_demand": a request is admitted when its prompt fits now. When a step cannot get a block for
+  a running sequence's row (decode or chunk), the NEWEST running request without a row in this step
+  is preempted (its blocks freed, its generated tokens kept, put back at the HEAD of the waiting
+  queue to be re-prefilled with prompt + generated) until the row fits. No request is lost and, for
+  a deterministic model, outputs are unchanged; the price is recomputation (`recomputed_tokens` in
+  the step log).
 With a SlotAllocator a request's worst case is one slot, so both admissions behave the same.
 
 Finishing. A sampled token finishes its request with reason "stop" if it is an eos token (unless
@@ -60,14 +72,23 @@ admission: on demand, such a request could not finish even alone).
 Sessions (prefix reuse between the turns of a conversation): submit(..., session=key). When a request
 of a session finishes (or is cancelled) while running, its pages are not freed but *parked* under the
 key with the tokens whose K/V they hold. The next request of that session that is admitted adopts
-them: the common prefix of the parked tokens and its own (at most all but its last token) is not
-computed again, the pages past it are freed. Parked pages are a cache, never a promise: admission
-counts them as free, and any reservation that finds the free list short evicts parked tables first
-(least recently parked first), before it preempts anyone. drop_session(key) frees one at once.
+them: the common prefix of the parked tokens and its own (at most all but its last token) counts as
+computed (num_computed), so its first row, the whole rest of the prompt or a first chunk of it,
+starts after that prefix; the pages past it are freed. Parked pages are a cache, never a promise:
+admission counts them as free, and any reservation (a newcomer's, a chunk's, a decode's) that finds
+the free list short evicts parked tables first (least recently parked first), before it preempts
+anyone. drop_session(key) frees one at once.
 
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
 flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
-allocator (same free list order, so a retry takes the same blocks), counters and batch id exactly.
+allocator (same free list order, so a retry takes the same blocks), progress through the prompts,
+counters and batch id exactly.
+
+The step log (one StepRecord per completed step, engine/step_log.py) names the rows: request_ids
+(all) and their start_positions, prefill_ids (prompt, chunk and recompute rows), chunks ([request id,
+start_pos, tokens, samples] of every prefill row that holds only part of its sequence), sampled (how
+many rows sampled), sampled_ids and sampled_tokens (which, and what), tokens and prefill_tokens,
+admitted, preempted, recomputed_tokens, reused_tokens, and the memory and queue figures after the step.
 submit() is allowed at any time; requests submitted while a batch is in flight survive fail().
 """
 from __future__ import annotations
@@ -100,13 +121,16 @@ class SchedulerError(RuntimeError):
 
 @dataclass
 class Row:
-    """One sequence in a batch: feed `token_ids` at positions start_pos..., sample one token."""
+    """One sequence in a batch: feed `token_ids` at positions start_pos..., and sample one token
+    from the last position if `samples` (every row but a chunk that stops short of the prompt's end)."""
     request_id: int
     token_ids: list[int]
     start_pos: int          # absolute position of token_ids[0]
     block_table: list[int]  # covers positions < context_len, after this step's reservation
     params: object          # the request's sampling params, for the runner's sampler
     num_generated: int      # tokens generated before this step (a seeded sampler can key on it)
+    samples: bool = True    # False for a chunk that does not reach the end of the prompt
+    kind: str = "prefill"   # "prefill" (a prompt, a chunk of one, or a recompute) | "decode"
 
     @property
     def context_len(self) -> int:
@@ -122,7 +146,7 @@ class Batch:
     per-token Python), once per batch: each property caches its array, read-only.
     """
     batch_id: int
-    kind: str               # "prefill" | "decode"
+    kind: str               # "prefill" | "decode" | "mixed" (chunked prefill: both kinds of rows)
     rows: list[Row]
     block_size: int
 
@@ -175,6 +199,16 @@ class Batch:
         return self._cached("last_token_indices", lambda: (self.cu_seqlens[1:] - 1).astype(np.int32))
 
     @property
+    def sampling_rows(self) -> list[int]:
+        """Indices of the rows that sample a token (complete() takes one token for each, in order)."""
+        return [r for r, row in enumerate(self.rows) if row.samples]
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """[S] int32, the token whose logits each sampling row samples from (ForwardBatch.logits_rows)."""
+        return self.last_token_indices[self.sampling_rows].astype(np.int32)
+
+    @property
     def context_lens(self) -> np.ndarray:
         """[R] int32, tokens each row attends to after this step."""
         return self._cached("context_lens", lambda: (self.start_positions + self.lengths).astype(np.int32))
@@ -222,10 +256,22 @@ class _Request:
     status: str = "waiting"  # "waiting" | "running" (finished requests leave the scheduler)
     num_preemptions: int = 0
     session: object = None   # hashable key: its pages are parked for the session's next request
+    num_computed: int = 0   # leading tokens whose K/V are in the cache (0 again after a preemption)
+    num_lost: int = 0       # tokens it had computed when it was last preempted: computed again later
+    num_reused: int = 0     # leading tokens adopted from its session's parked pages at admission
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to feed before the next sample: 1 for a decode, more while prefilling."""
+        return self.num_tokens - self.num_computed
 
 
 @dataclass
@@ -250,7 +296,7 @@ class _Saved:
     """Everything schedule() may change, captured so that fail() can put it back."""
     waiting: list[int]
     running: list[int]
-    request_states: dict[int, tuple[str, int]]
+    request_states: dict[int, tuple[str, int, int, int, int]]   # status, preemptions, computed, lost, reused
     group: list[int]
     group_decoding: bool
     next_batch_id: int
@@ -277,7 +323,7 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_seqs: int, max_batch_tokens: int,
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
-                 admission: str = "conservative", first_request_id: int = 0):
+                 admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -301,6 +347,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(operator.index(t) for t in eos)
         self.policy = policy
         self.admission = admission
+        self.chunked_prefill = bool(chunked_prefill)
 
         self._requests: dict[int, _Request] = {}   # live requests: waiting or running
         self._waiting: deque[int] = deque()        # FIFO; preempted requests go back to the head
@@ -380,14 +427,18 @@ class Scheduler:
         if self.allocator.in_transaction:
             raise SchedulerError("the allocator has uncommitted changes made outside the scheduler")
         saved = self._save()
-        rows, preempted = self._prefill_rows(), []
-        kind = "prefill"
-        if not rows:
-            kind = "decode"
-            rows, preempted = self._decode_rows()
+        if self.chunked_prefill and self.policy == "continuous":
+            rows, preempted = self._mixed_rows()
+        else:
+            rows, preempted = self._prefill_rows()
             if not rows:
-                return None
-            self._group_decoding = self.policy == "static"
+                rows, more = self._decode_rows()
+                preempted += more
+                self._group_decoding = bool(rows) and self.policy == "static"
+        if not rows:
+            return None
+        kinds = {row.kind for row in rows}
+        kind = kinds.pop() if len(kinds) == 1 else "mixed"
         batch = Batch(self._next_batch_id, kind, rows, self.allocator.block_size)
         self._next_batch_id += 1
         self._in_flight = _InFlight(batch, saved, self._log_entry(batch, preempted),
@@ -395,17 +446,21 @@ class Scheduler:
         return batch
 
     def complete(self, batch_id: int, sampled_tokens) -> None:
-        """Accept one sampled token per row (row order): commit the step, finish requests."""
+        """Accept one sampled token per sampling row (batch.sampling_rows, in row order): commit the
+        step, finish requests."""
         flight = self._flight(batch_id)
         tokens = [operator.index(t) for t in sampled_tokens]
-        if len(tokens) != len(flight.batch.rows):
-            raise ValueError(f"batch {batch_id} has {len(flight.batch.rows)} rows, "
+        sampling = [row for row in flight.batch.rows if row.samples]
+        if len(tokens) != len(sampling):
+            raise ValueError(f"batch {batch_id} has {len(sampling)} sampling rows, "
                              f"got {len(tokens)} sampled tokens")
         if tokens and min(tokens) < 0:
             raise ValueError(f"sampled token ids must be >= 0, got {min(tokens)}")
         self._in_flight = None
+        for row in flight.batch.rows:
+            self._requests[row.request_id].num_computed = row.context_len
         finished = []
-        for row, token in zip(flight.batch.rows, tokens, strict=True):
+        for row, token in zip(sampling, tokens, strict=True):
             request = self._requests[row.request_id]
             request.generated.append(token)
             reason = self._finish_reason(request, token)
@@ -414,7 +469,7 @@ class Scheduler:
                 finished.append(request.request_id)
         self.allocator.commit()
         flight.log_entry["finished"] = finished
-        flight.log_entry["sampled"] = tokens
+        flight.log_entry["sampled_tokens"] = tokens
         self.num_steps += 1
         self.step_log.append(flight.log_entry)
         self._logged_request_id = flight.arrived_before
@@ -427,9 +482,10 @@ class Scheduler:
         arrived_since = [rid for rid in self._waiting if rid >= saved.next_request_id]
         self._waiting = deque(saved.waiting + arrived_since)
         self._running = saved.running
-        for request_id, (status, num_preemptions) in saved.request_states.items():
+        for request_id, state in saved.request_states.items():
             request = self._requests[request_id]
-            request.status, request.num_preemptions = status, num_preemptions
+            (request.status, request.num_preemptions, request.num_computed, request.num_lost,
+             request.num_reused) = state
         self._group, self._group_decoding = saved.group, saved.group_decoding
         self._next_batch_id = saved.next_batch_id
         self.num_preemptions = saved.num_preemptions
@@ -483,6 +539,7 @@ class Scheduler:
             "waiting": list(self._waiting),
             "running": list(self._running),
             "num_tokens": {rid: r.num_tokens for rid, r in self._requests.items()},
+            "num_computed": {rid: r.num_computed for rid, r in self._requests.items()},
             "preemptions": {rid: r.num_preemptions for rid, r in self._requests.items()},
             "status": {rid: r.status for rid, r in self._requests.items()},
             "block_tables": {rid: self.allocator.block_table(rid) for rid in self._running},
@@ -504,45 +561,88 @@ class Scheduler:
         self._next_request_id += 1
         return self._next_request_id - 1
 
-    def _prefill_rows(self) -> list[Row]:
-        """Admit waiting requests from the head of the queue while they fit (FIFO, no overtaking)."""
+    def _prefill_rows(self) -> tuple[list[Row], list[int]]:
+        """A prefill batch: the chunks of requests part-way through their prompt (chunked prefill
+        only), then newly admitted requests from the head of the queue."""
+        prefilling = [rid for rid in self._running if self._requests[rid].num_remaining > 1
+                      or not self._requests[rid].generated]
+        rows, preempted = self._advance(prefilling, self.max_batch_tokens, in_step=set())
+        used = sum(len(row.token_ids) for row in rows)
+        return rows + self._admit(self.max_batch_tokens - used, alone_if_long=not rows), preempted
+
+    def _mixed_rows(self) -> tuple[list[Row], list[int]]:
+        """Chunked prefill (Sarathi-Serve): every running decode, then the chunks of requests still
+        prefilling, then newcomers' first chunks, until the step's token budget is spent."""
+        decoding = [rid for rid in self._running if self._requests[rid].num_remaining == 1]
+        in_step: set[int] = set()
+        rows, preempted = self._advance(decoding, self.max_batch_tokens, in_step)
+        used = len(rows)
+        prefilling = [rid for rid in self._running if rid not in in_step]
+        chunks, more = self._advance(prefilling, self.max_batch_tokens - used, in_step)
+        used += sum(len(row.token_ids) for row in chunks)
+        return rows + chunks + self._admit(self.max_batch_tokens - used, alone_if_long=False), preempted + more
+
+    def _admit(self, budget: int, alone_if_long: bool) -> list[Row]:
+        """Admit waiting requests from the head of the queue while they fit (FIFO, no overtaking).
+
+        A request's tokens to compute are those after the prefix its session's parked pages hold.
+        Without chunking they must all fit the budget (a longer request runs alone when
+        `alone_if_long`); with chunking it is admitted with a first chunk of what is left of them.
+        """
         rows: list[Row] = []
-        num_tokens = 0
         promised = sum(self._requests[rid].worst_blocks for rid in self._running)
-        while self._waiting:
+        while self._waiting and budget > 0:
             request = self._requests[self._waiting[0]]
-            n = request.num_tokens
+            todo = request.num_tokens - self._reusable(request)
             if not self._has_seat(request):
                 break
-            if rows and num_tokens + n > self.max_batch_tokens:
+            if not self.chunked_prefill and todo > budget and not (alone_if_long and not rows):
                 break
-            tokens = request.prompt_ids + request.generated
-            parked = self._parked.get(request.session) if request.session is not None else None
-            own = len(self.allocator.block_table(parked.seq_id)) if parked else 0
-            evictable = sum(len(self.allocator.block_table(p.seq_id)) for p in self._parked.values()) - own
-            if n > self.allocator.max_seq_len or \
-                    self.allocator.blocks_needed(n) > self.allocator.num_free + own + evictable:
+            if not self._fits_now(request):   # on demand: the whole sequence fits now
                 break
             if (self.admission == "conservative"
                     and promised + request.worst_blocks > self.allocator.num_blocks):
                 break
-            self._waiting.popleft()
-            while self.allocator.blocks_needed(n) > self.allocator.num_free + own:
-                self._evict_oldest_parked(keep=request.session)
-            reused = 0
-            if parked:   # adopt the session's pages: their common prefix is not computed again
-                reused = min(common_prefix(parked.tokens, tokens), n - 1)
-                del self._parked[request.session]
-                self.allocator.adopt(request.request_id, parked.seq_id, reused)
-            self.allocator.reserve(request.request_id, n)
-            request.status = "running"
-            self._running.append(request.request_id)
-            if self.policy == "static" and request.request_id not in self._group:
-                self._group.append(request.request_id)
             promised += request.worst_blocks
-            num_tokens += n - reused
-            rows.append(self._row(request, tokens[reused:], start_pos=reused))
+            chunk = min(todo, budget) if self.chunked_prefill else todo
+            rows.append(self._start(request, chunk))
+            budget -= chunk
         return rows
+
+    def _reusable(self, request: _Request) -> int:
+        """Leading tokens whose K/V its session's parked pages hold (at most all but its last token:
+        the last one must be fed to sample from)."""
+        parked = self._parked.get(request.session) if request.session is not None else None
+        return min(common_prefix(parked.tokens, request.tokens), request.num_tokens - 1) if parked else 0
+
+    def _fits_now(self, request: _Request) -> bool:
+        """Pages for all of the request's tokens now, counting parked pages (its session's, which it
+        adopts, and everyone else's, which can be evicted) as free."""
+        n = request.num_tokens
+        parked = sum(len(self.allocator.block_table(p.seq_id)) for p in self._parked.values())
+        return n <= self.allocator.max_seq_len and \
+            self.allocator.blocks_needed(n) <= self.allocator.num_free + parked
+
+    def _start(self, request: _Request, chunk: int) -> Row:
+        """Move the head of the queue to the running requests: adopt its session's parked pages (their
+        common prefix is not computed again), evicting other parked tables while the first `chunk`
+        tokens after that prefix lack pages; the row of that chunk."""
+        reused = self._reusable(request)
+        parked = self._parked.get(request.session) if request.session is not None else None
+        own = len(self.allocator.block_table(parked.seq_id)) if parked else 0
+        while (self.allocator.blocks_needed(reused + chunk) > self.allocator.num_free + own
+               and any(session != request.session for session in self._parked)):
+            self._evict_oldest_parked(keep=request.session)
+        if parked:
+            del self._parked[request.session]
+            self.allocator.adopt(request.request_id, parked.seq_id, reused)
+        self._waiting.popleft()
+        request.status = "running"
+        request.num_computed = request.num_reused = reused
+        self._running.append(request.request_id)
+        if self.policy == "static" and request.request_id not in self._group:
+            self._group.append(request.request_id)
+        return self._reserve_row(request, chunk)
 
     def _evict_oldest_parked(self, keep=None) -> None:
         """Free the least recently parked table (never `keep`'s); the caller checked one exists."""
@@ -557,40 +657,59 @@ class Scheduler:
         return not self._group_decoding and len(self._group) < self.max_seqs
 
     def _decode_rows(self) -> tuple[list[Row], list[int]]:
-        """One new position for every running sequence, preempting the newest while blocks lack."""
-        queue = deque(self._running)   # oldest first
-        scheduled, preempted = [], []
-        while queue:
-            request = self._requests[queue.popleft()]
-            n = request.num_tokens
-            while not self.allocator.can_reserve(request.request_id, n):
-                if self._parked and n <= self.allocator.max_seq_len:
+        """Without chunking, when no prefill can run: one new position for every running sequence."""
+        return self._advance(list(self._running), budget=None, in_step=set())
+
+    def _advance(self, request_ids: list[int], budget: int | None,
+                 in_step: set[int]) -> tuple[list[Row], list[int]]:
+        """The next tokens of running requests, oldest first, at most `budget` tokens in all (None:
+        no limit); `in_step` (updated) holds the requests already given a row in this step. When the
+        pool lacks pages, parked session pages are evicted first (least recently parked first); then
+        the newest running request without a row is preempted (on-demand admission only ever gets
+        there) until the row fits, or the request itself when it is that newest."""
+        rows, preempted = [], []
+        for rid in request_ids:
+            if rid not in self._running:        # preempted for an older request of this step
+                continue
+            request = self._requests[rid]
+            chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
+            if chunk < 1:
+                break
+            while not self.allocator.can_reserve(rid, request.num_computed + chunk):
+                if self._parked and request.num_computed + chunk <= self.allocator.max_seq_len:
                     self._evict_oldest_parked()   # cached pages go before anyone is preempted
                     continue
-                victim = queue.pop() if queue else request.request_id
+                victim = next(v for v in reversed(self._running) if v not in in_step)
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim == request.request_id:
+                if victim == rid:
                     break
             else:
-                self.allocator.reserve(request.request_id, n)
-                scheduled.append(request)
-        self._running = [request.request_id for request in scheduled]
-        rows = [self._row(request, request.generated[-1:], start_pos=request.num_tokens - 1) for request in scheduled]
+                in_step.add(rid)
+                rows.append(self._reserve_row(request, chunk))
+                if budget is not None:
+                    budget -= chunk
         return rows, preempted
 
     def _preempt(self, request_id: int) -> None:
         request = self._requests[request_id]
         self.allocator.free(request_id)
+        self._running.remove(request_id)
         request.status = "waiting"
+        request.num_lost, request.num_computed, request.num_reused = request.num_computed, 0, 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(request_id)   # several in one step: the oldest ends up first
 
-    def _row(self, request: _Request, token_ids: list[int], start_pos: int) -> Row:
-        return Row(request.request_id, list(token_ids), start_pos,
+    def _reserve_row(self, request: _Request, chunk: int) -> Row:
+        """Reserve memory for the next `chunk` tokens of a request and describe them as a row."""
+        start, end = request.num_computed, request.num_computed + chunk
+        self.allocator.reserve(request.request_id, end)
+        decode = chunk == 1 and request.generated and end == request.num_tokens
+        return Row(request.request_id, request.tokens[start:end], start,
                    self.allocator.block_table(request.request_id), request.params,
-                   len(request.generated))
+                   len(request.generated), samples=end == request.num_tokens,
+                   kind="decode" if decode else "prefill")
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in self.eos_token_ids and not request.ignore_eos:
@@ -603,11 +722,12 @@ class Scheduler:
         """Remove a request for good, free its memory, end a static group it was the last of."""
         if request.status == "running":
             self._running.remove(request.request_id)
-            if request.session is not None:   # keep the pages for the session's next request
+            if request.session is not None and request.num_computed:   # pages for the session's next request
                 old = self._parked.pop(request.session, None)
                 if old is not None:
                     self.allocator.free(old.seq_id)
-                cached = (request.prompt_ids + request.generated)[:request.num_tokens - 1]
+                # what the cache holds: all but the last sampled token, or less if cancelled mid-prompt
+                cached = request.tokens[:request.num_computed]
                 self._parked[request.session] = _Parked(request.request_id, cached)
             else:
                 self.allocator.free(request.request_id)
@@ -628,32 +748,46 @@ class Scheduler:
 
     def _save(self) -> _Saved:
         return _Saved(list(self._waiting), list(self._running),
-                      {rid: (r.status, r.num_preemptions) for rid, r in self._requests.items()},
+                      {rid: (r.status, r.num_preemptions, r.num_computed, r.num_lost, r.num_reused)
+                       for rid, r in self._requests.items()},
                       list(self._group), self._group_decoding, self._next_batch_id,
                       self._next_request_id, self.num_preemptions,
                       list(self._parked.items()))
 
     def _log_entry(self, batch: Batch, preempted: list[int]) -> StepRecord:
-        # A running request has generated at least one token, so a prefill row with generated
-        # tokens is a preempted request coming back, and one without is a first admission.
-        prefill_rows = batch.rows if batch.kind == "prefill" else []
-        # Tokens whose K/V sit in the cache after this step: the rows' context, plus (prefill)
-        # the running sequences that wait outside the batch with length - 1 tokens cached.
+        prefill_rows = [row for row in batch.rows if row.kind == "prefill"]
+        # A request's first row after its admission starts where its reused prefix ends (0 without
+        # one); num_computed is not advanced before complete(), so that row starts at num_computed
+        # == num_reused, and any later chunk of it starts further on.
+        first_rows = [row for row in prefill_rows if row.start_pos == self._requests[row.request_id].num_reused]
+        # Tokens whose K/V sit in the cache after this step: the rows' context, plus the running
+        # requests outside the batch with what they had computed.
         in_batch = {row.request_id for row in batch.rows}
-        cached = sum(self._requests[rid].num_tokens - (rid not in in_batch) for rid in self._running)
+        cached = sum(row.context_len for row in batch.rows) + sum(
+            self._requests[rid].num_computed for rid in self._running if rid not in in_batch)
         return {
             "step": self.num_steps,
             "batch_id": batch.batch_id,
             "kind": batch.kind,
             "request_ids": [row.request_id for row in batch.rows],
             "start_positions": batch.start_positions.tolist(),      # the runner's arrays, built once
+            "prefill_ids": [row.request_id for row in prefill_rows],
+            # prefill rows holding part of a sequence: [request id, start position, tokens, samples]
+            "chunks": [[row.request_id, row.start_pos, len(row.token_ids), row.samples]
+                       for row in prefill_rows if row.start_pos > 0 or not row.samples],
             "rows": len(batch.rows),
+            "sampled": len(batch.sampling_rows),
+            "sampled_ids": [row.request_id for row in batch.rows if row.samples],
             "tokens": batch.num_tokens,
+            "prefill_tokens": sum(len(row.token_ids) for row in prefill_rows),
             "context_tokens": int(batch.context_lens.sum()),
             "arrived": list(range(self._logged_request_id, self._next_request_id)),
-            "admitted": [row.request_id for row in prefill_rows if not row.num_generated],
-            "recomputed_tokens": sum(len(row.token_ids) for row in prefill_rows if row.num_generated),
-            "reused_tokens": sum(row.start_pos for row in prefill_rows),
+            "admitted": [row.request_id for row in first_rows if not self._requests[row.request_id].num_preemptions],
+            # tokens computed a second time because a preemption threw their K/V away
+            "recomputed_tokens": sum(max(0, min(row.context_len, self._requests[row.request_id].num_lost)
+                                         - row.start_pos) for row in prefill_rows),
+            # prompt tokens not computed because the request adopted its session's parked pages
+            "reused_tokens": sum(row.start_pos for row in first_rows),
             "preempted": list(preempted),
             "running": len(self._running),
             "waiting": len(self._waiting),
@@ -662,4 +796,5 @@ class Scheduler:
             "free_blocks": self.allocator.num_free,
             "cached_tokens": cached,
             "finished": [],        # filled in by complete()
+            "sampled_tokens": [],  # filled in by complete(): one per sampling row
         }

@@ -12,7 +12,8 @@ checkers show. Nothing here needs matplotlib (engine/plots.py draws from these).
 
 Step states (request_timelines):
     waiting   arrived (or preempted) and not admitted yet
-    prefill   in this step's batch, a prefill row (its prompt, or prompt + generated after preemption)
+    prefill   in this step's batch, a prefill row (its prompt or a chunk of it, or prompt + generated
+              after preemption)
     decode    in this step's batch, a decode row (one token)
     stalled   admitted, but this step's batch does not include it (a prefill batch of newcomers)
     idle      static batching: finished, but its seat stays taken until the whole group ends
@@ -31,14 +32,23 @@ STATES = ("waiting", "prefill", "decode", "stalled", "idle")
 class _StepRecordRequired(TypedDict):
     step: int                   # index of this record in the log
     batch_id: int               # the scheduler's batch id (failed batches leave gaps)
-    kind: str                   # "prefill" | "decode"
+    kind: str                   # "prefill" | "decode" | "mixed" (chunked prefill: both kinds of rows)
     request_ids: list[int]      # one per row, in row order
-    rows: int                   # sequences in the batch; each samples one token
+    start_positions: list[int]  # one per row: the position of its first token
+    prefill_ids: list[int]      # the prefill rows' requests (a prompt, a chunk of one, or a recompute)
+    chunks: list[list]          # [request id, start position, tokens, samples] of each prefill row that
+                                # holds only part of its sequence (a chunk, or what follows a reused prefix)
+    rows: int                   # sequences in the batch
+    sampled: int                # rows that sampled a token (all but chunks that stop short of the prompt)
+    sampled_ids: list[int]      # their requests, in row order
+    sampled_tokens: list[int]   # the token each of them sampled, in the same order
     tokens: int                 # tokens fed this step (prompt tokens of prefill rows, 1 per decode row)
+    prefill_tokens: int         # of which fed by prefill rows
     context_tokens: int         # tokens attended to after this step, summed over rows
     arrived: list[int]          # requests submitted since the previous record
-    admitted: list[int]         # first admissions in this step (prefill rows without generated tokens)
-    recomputed_tokens: int      # prompt + generated tokens fed again by preempted requests coming back
+    admitted: list[int]         # first admissions in this step (a request's first row, not after a preemption)
+    recomputed_tokens: int      # tokens fed again because a preemption threw their K/V away
+    reused_tokens: int          # prompt tokens not fed: newcomers adopted them from their session's pages
     preempted: list[int]        # requests preempted while this batch was formed
     running: int                # running requests after admission
     waiting: int                # requests still waiting
@@ -82,7 +92,7 @@ def request_timelines(step_log, cancelled: dict[int, int] | None = None) -> dict
             if status[rid] == "finished":   # static: the seat is held while the group still runs
                 status[rid] = "finished" if entry["idle_slots"] > 0 else "gone"
             if rid in in_batch:
-                states[rid][s] = entry["kind"]
+                states[rid][s] = "prefill" if rid in entry["prefill_ids"] else "decode"
             else:
                 states[rid][s] = {"waiting": "waiting", "running": "stalled",
                                   "finished": "idle", "gone": ""}[status[rid]]
@@ -94,14 +104,15 @@ def request_timelines(step_log, cancelled: dict[int, int] | None = None) -> dict
 
 
 def summarize(step_log) -> dict:
-    """Totals of one run. Every row of every step samples one token, so output tokens = sum of rows."""
+    """Totals of one run. Every sampling row samples one token (a chunk that stops short of its
+    prompt's end samples none), so output tokens = sum of sampled rows."""
     decode = [e for e in step_log if e["kind"] == "decode"]
     out = {
         "steps": len(step_log),
         "prefill_steps": len(step_log) - len(decode),
         "decode_steps": len(decode),
-        "output_tokens": sum(e["rows"] for e in step_log),
-        "prompt_tokens_computed": sum(e["tokens"] for e in step_log if e["kind"] == "prefill"),
+        "output_tokens": sum(e["sampled"] for e in step_log),
+        "prompt_tokens_computed": sum(e["prefill_tokens"] for e in step_log),
         "mean_decode_rows": float(np.mean([e["rows"] for e in decode])) if decode else 0.0,
         "idle_slot_steps": sum(e["idle_slots"] for e in step_log),
         "preemptions": sum(len(e["preempted"]) for e in step_log),

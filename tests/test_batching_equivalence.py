@@ -3,8 +3,10 @@
 For seeded random workloads (random prompt lengths, output lengths, ignore_eos, and an eos id that
 the model really emits), each request's tokens and finish reason must be identical across:
 no cache (full recomputation, the oracle), ChatSession (contiguous cache), LLM static/continuous x
-contiguous/paged, with all prompts submitted at once or arriving between steps, and pools so small
-that requests must wait (conservative admission) or be preempted and recomputed (on-demand).
+contiguous/paged, with and without chunked prefill (token budgets smaller than most prompts, so a
+prompt is prefilled over several steps, mixed with running decodes), with all prompts submitted at
+once or arriving between steps, and pools so small that requests must wait (conservative admission)
+or be preempted and recomputed (on-demand).
 Each model family runs the workloads: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms).
 """
 import numpy as np
@@ -22,13 +24,19 @@ MAX_CONTEXT = 32                 # prompts up to 20 + outputs up to 12: some req
 WORKLOADS = [("llama", 0), ("llama", 1), ("llama", 2), ("llama", 3),
              ("qwen2", 1), ("qwen2", 2), ("qwen3", 0), ("qwen3", 1)]
 
-# (batching, kv_cache, extra LLM arguments)
+# (batching, kv_cache, extra LLM arguments); LLM chunks prefills by default
 ROOMY = [
-    ("static", "contiguous", dict(max_seqs=3)),
-    ("continuous", "contiguous", dict(max_seqs=3)),
+    ("static", "contiguous", dict(max_seqs=3, chunked_prefill=False)),
+    ("continuous", "contiguous", dict(max_seqs=3, chunked_prefill=False)),
+    ("continuous", "paged", dict(chunked_prefill=False)),
+    ("static", "paged", dict(max_seqs=4, max_batch_tokens=24, chunked_prefill=False)),
+    ("continuous", "paged", dict(max_seqs=3, max_batch_tokens=20, page_size=4, chunked_prefill=False)),
     ("continuous", "paged", {}),
-    ("static", "paged", dict(max_seqs=4, max_batch_tokens=24)),
-    ("continuous", "paged", dict(max_seqs=3, max_batch_tokens=20, page_size=4)),
+    # budgets of 3-6 tokens against prompts of up to 20: most prompts take several chunks
+    ("continuous", "paged", dict(max_seqs=3, max_batch_tokens=5, page_size=4)),
+    ("continuous", "contiguous", dict(max_seqs=3, max_batch_tokens=4)),
+    ("static", "paged", dict(max_seqs=3, max_batch_tokens=6, page_size=4)),
+    ("static", "contiguous", dict(max_seqs=2, max_batch_tokens=3)),
 ]
 
 
@@ -42,6 +50,10 @@ TIGHT = [
     ("continuous", "paged", dict(page_size=4, pool_pages=8), "waits"),
     ("continuous", "paged", dict(page_size=4, pool_pages=8, admission="on_demand"), "preempts"),
     ("static", "paged", dict(page_size=4, pool_pages=8, admission="on_demand"), "preempts"),
+    ("continuous", "paged", dict(page_size=4, pool_pages=8, admission="on_demand",
+                                 max_seqs=4, max_batch_tokens=6), "preempts"),
+    ("static", "paged", dict(page_size=4, pool_pages=8, admission="on_demand",
+                             chunked_prefill=False), "preempts"),
 ]
 
 
@@ -104,6 +116,10 @@ def generate_with_arrivals(llm: LLM, workload: Workload, seed: int):
     return [results[i] for i in range(len(workload.prompts))], sched
 
 
+def llm_chunks(kwargs) -> bool:
+    return kwargs.get("chunked_prefill", True)
+
+
 def test_workload_is_not_degenerate(workload):
     reasons = [reason for _, reason in workload.expected]
     assert "stop" in reasons and "length" in reasons
@@ -123,16 +139,24 @@ def test_llm_generate_equals_no_cache(workload, batching, kv_cache, kwargs):
     llm = workload.llm(batching, kv_cache, **kwargs)
     assert outputs(llm.generate(workload.prompts, workload.params)) == workload.expected
     assert not any(entry["preempted"] for entry in llm.last_step_log)     # conservative: never
+    if llm.max_batch_tokens < max(map(len, workload.prompts)):            # chunked, and it shows
+        assert any(not chunk[3] for entry in llm.last_step_log for chunk in entry["chunks"])
+        assert all(entry["tokens"] <= llm.max_batch_tokens for entry in llm.last_step_log)
+    if not llm.chunked_prefill:
+        assert not any(entry["chunks"] or entry["kind"] == "mixed" for entry in llm.last_step_log)
 
 
 @pytest.mark.parametrize("batching,kv_cache,kwargs", ROOMY, ids=[f"{b}-{k}-{i}" for i, (b, k, _) in enumerate(ROOMY)])
 def test_llm_with_random_arrivals_equals_no_cache(workload, batching, kv_cache, kwargs):
     got, sched = generate_with_arrivals(workload.llm(batching, kv_cache, **kwargs), workload, seed=len(kwargs))
     assert got == workload.expected
-    assert any(entry["kind"] == "prefill" and entry["step"] > 0 for entry in sched.step_log)
+    assert any(entry["prefill_ids"] and entry["step"] > 0 for entry in sched.step_log)
+    if batching == "continuous" and llm_chunks(kwargs):
+        assert any(entry["kind"] == "mixed" for entry in sched.step_log)   # newcomers joined decodes
 
 
-@pytest.mark.parametrize("batching,kv_cache,kwargs,pressure", TIGHT, ids=[f"{b}-{t}" for b, _, _, t in TIGHT])
+@pytest.mark.parametrize("batching,kv_cache,kwargs,pressure", TIGHT,
+                         ids=[f"{b}-{t}-{i}" for i, (b, _, _, t) in enumerate(TIGHT)])
 def test_tight_pool_equals_no_cache(workload, batching, kv_cache, kwargs, pressure):
     llm = workload.llm(batching, kv_cache, **kwargs)
     assert llm.cache.num_blocks == 8

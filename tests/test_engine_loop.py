@@ -229,6 +229,37 @@ def test_session_reuses_its_prefix(monkeypatch):
     llm._engine.scheduler.allocator.check_invariants()
 
 
+def test_session_prefix_reuse_with_chunked_prefill(monkeypatch):
+    """Chunked prefill and sessions together: turn 2 adopts turn 1's pages and feeds only the rest of
+    its prompt, in chunks of the step's token budget; the stats follow the prefill's progress, count
+    only sampled tokens, and the tokens equal a fresh run."""
+    llm = make_llm(max_seqs=2, max_batch_tokens=4)
+    assert llm.chunked_prefill
+    counter = ForwardCounter(llm.model)
+    monkeypatch.setattr(llm.model, "forward", counter)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    p1 = random_prompts(1, seed=11, longest=20)[0] + [3] * 10
+    first = llm.submit(p1, params, session="chat")
+    a1 = first.result().token_ids
+    assert counter.tokens[:-(len(a1) - 1)] == [4] * (len(p1) // 4) + ([len(p1) % 4] if len(p1) % 4 else [])
+    p2 = p1 + a1 + list(range(40, 51))
+    reused = len(p1) + len(a1) - 1
+    counter.tokens.clear()
+    handle = llm.submit(p2, params, session="chat")
+    a2 = handle.result()
+    prefill_passes = counter.tokens[:-(len(a2.token_ids) - 1)]
+    assert sum(prefill_passes) == len(p2) - reused and max(prefill_passes) <= 4 and len(prefill_passes) > 1
+    assert a2.token_ids == greedy_no_cache(llm.model, p2, 6, ignore_eos=True)[0]
+    stats = llm.stats()
+    info = [r for r in stats["requests"] if r["request_id"] == handle.request_id][0]
+    assert info["reused_tokens"] == reused and info["prefilled_tokens"] == len(p2)
+    assert [state for state, _ in info["timeline"]] == ["waiting", "prefill", "decode", "finished"]
+    assert info["generated_tokens"] == 6 and stats["tokens_generated"] == 12
+    llm.drop_session("chat")
+    assert llm.stats()["pages_used"] == 0
+    llm._engine.scheduler.allocator.check_invariants()
+
+
 def test_cached_sessions_give_way_under_memory_pressure(serial):
     """A pool of 8 pages: parked sessions are evicted (never a running request preempted for them)."""
     prompts, expected = serial

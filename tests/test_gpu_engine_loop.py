@@ -68,4 +68,4 @@ def test_chat_on_gpu(default_model_dir):
     assert "Paris" in out.getvalue()
     second = chat.answer("And of Italy?", out=io.StringIO())
     assert second.reused_tokens > 20
-    assert chat.llm._decode_graph is not None          # its decode steps replayed the CUDA graph
+    assert chat.llm.decode_graphs.replays > 0           # its decode steps replayed a CUDA graph

@@ -96,8 +96,12 @@ def test_gantt_has_one_bar_per_run_and_marks_preemptions():
 def test_occupancy_memory_bars_and_lines():
     log = hand_log("static")
     ax = plots.occupancy(log, max_seqs=3)
-    assert len(ax.patches) == 2 * len(log)                    # rows + idle seats, per step
-    assert [bar.get_height() for bar in ax.patches[len(log):]] == [e["idle_slots"] for e in log]
+    assert len(ax.patches) == 3 * len(log)                    # decode rows + prefill rows + idle seats
+    heights = [bar.get_height() for bar in ax.patches]
+    n = len(log)
+    assert [d + p for d, p in zip(heights[:n], heights[n:2 * n])] == [e["rows"] for e in log]
+    assert heights[n:2 * n] == [e["rows"] if e["kind"] == "prefill" else 0 for e in log]
+    assert heights[2 * n:] == [e["idle_slots"] for e in log]
     assert len(ax.get_lines()) == 2                          # waiting queue, max_seqs
     assert len(plots.occupancy(log).get_lines()) == 1
     ax = plots.memory(log, block_size=20, label="slots")

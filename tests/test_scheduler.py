@@ -43,7 +43,8 @@ def drain(sched):
     while sched.has_unfinished():
         batch = sched.schedule()
         batches.append(batch)
-        sched.complete(batch.batch_id, [fake_next_token(full_sequence(sched, row)) for row in batch.rows])
+        sched.complete(batch.batch_id, [fake_next_token(full_sequence(sched, row))
+                                        for row in batch.rows if row.samples])
         sched.allocator.check_invariants()
         results.update((r.request_id, r) for r in sched.pop_finished())
     assert sched.schedule() is None
@@ -51,9 +52,7 @@ def drain(sched):
 
 
 def full_sequence(sched, row):
-    """prompt + generated of a row's request, seen from the outside (the row itself for prefill)."""
-    if row.start_pos == 0:
-        return row.token_ids
+    """prompt + generated of a row's request (what a sampling row's last position has seen)."""
     request = sched._requests[row.request_id]
     return request.prompt_ids + request.generated
 
@@ -107,6 +106,67 @@ def test_token_budget_splits_prefills_and_a_long_prompt_runs_alone():
     batches, _ = drain(sched)
     prefills = [[len(r.token_ids) for r in b.rows] for b in batches if b.kind == "prefill"]
     assert prefills == [[4, 5], [30], [3]]
+
+
+def test_chunked_prefill_mixes_a_long_prompt_into_the_running_decodes():
+    sched = Scheduler(PageAllocator(64, 4), max_seqs=4, max_batch_tokens=8, max_context=64,
+                      chunked_prefill=True)
+    for _ in range(2):
+        sched.submit([5, 6], params(8))
+    first = sched.schedule()
+    assert (first.kind, [len(r.token_ids) for r in first.rows]) == ("prefill", [2, 2])
+    sched.complete(first.batch_id, [fake_next_token(full_sequence(sched, r)) for r in first.rows])
+    long_prompt = list(range(1, 21))
+    sched.submit(long_prompt, params(3))       # arrives while 0 and 1 decode
+    batches, results = drain(sched)
+    # every step carries both decodes; the 20-token prompt fills the other 6 tokens of the budget
+    assert [(b.kind, [(r.request_id, r.start_pos, len(r.token_ids), r.samples) for r in b.rows])
+            for b in batches[:5]] == [
+        ("mixed", [(0, 2, 1, True), (1, 2, 1, True), (2, 0, 6, False)]),
+        ("mixed", [(0, 3, 1, True), (1, 3, 1, True), (2, 6, 6, False)]),
+        ("mixed", [(0, 4, 1, True), (1, 4, 1, True), (2, 12, 6, False)]),
+        ("mixed", [(0, 5, 1, True), (1, 5, 1, True), (2, 18, 2, True)]),
+        ("decode", [(0, 6, 1, True), (1, 6, 1, True), (2, 20, 1, True)]),
+    ]
+    assert batches[0].sampling_rows == [0, 1] and batches[0].logits_indices.tolist() == [0, 1]
+    assert batches[3].logits_indices.tolist() == [0, 1, 3]
+    assert [e["chunks"] for e in sched.step_log[1:5]] == [
+        [[2, 0, 6, False]], [[2, 6, 6, False]], [[2, 12, 6, False]], [[2, 18, 2, True]]]
+    assert [e["sampled"] for e in sched.step_log[1:5]] == [2, 2, 2, 3]
+    assert sched.step_log[1]["admitted"] == [2] and sched.step_log[2]["admitted"] == []
+    for rid, prompt, max_new in ((0, [5, 6], 8), (1, [5, 6], 8), (2, long_prompt, 3)):
+        assert (results[rid].token_ids, results[rid].finish_reason) == run_alone(prompt, params(max_new), 64)
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous"])
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks(policy):
+    sched = Scheduler(PageAllocator(64, 4), max_seqs=4, max_batch_tokens=10, max_context=64,
+                      policy=policy, chunked_prefill=True)
+    for n in (4, 30, 3):
+        sched.submit(list(range(1, n + 1)), params(2))
+    batches, results = drain(sched)
+    assert max(b.num_tokens for b in batches) <= 10
+    chunks_of_1 = [(r.start_pos, len(r.token_ids)) for b in batches for r in b.rows
+                   if r.request_id == 1 and r.kind == "prefill"]
+    # static: the group prefills alone; continuous: request 0's decode takes one token of step 1
+    assert chunks_of_1 == {"static": [(0, 6), (6, 10), (16, 10), (26, 4)],
+                           "continuous": [(0, 6), (6, 9), (15, 10), (25, 5)]}[policy]
+    for rid, n in enumerate((4, 30, 3)):
+        assert results[rid].token_ids == run_alone(list(range(1, n + 1)), params(2), 64)[0]
+
+
+def test_a_chunk_that_does_not_end_the_prompt_samples_nothing():
+    sched = Scheduler(PageAllocator(16, 4), max_seqs=2, max_batch_tokens=4, max_context=32,
+                      chunked_prefill=True)
+    sched.submit(list(range(1, 11)), params(2))
+    batch = sched.schedule()
+    assert not batch.rows[0].samples and batch.logits_indices.tolist() == []
+    before = sched.snapshot()
+    with pytest.raises(ValueError, match="sampling rows"):
+        sched.complete(batch.batch_id, [3])
+    assert sched.snapshot() == before
+    sched.complete(batch.batch_id, [])
+    assert sched.snapshot()["num_computed"] == {0: 4} and sched.pop_finished() == []
 
 
 def test_small_pool_makes_conservative_wait_and_on_demand_preempt():
@@ -263,6 +323,7 @@ def test_cancel_returns_what_was_generated_and_frees_memory():
 @st.composite
 def setups(draw):
     policy = draw(st.sampled_from(["static", "continuous"]))
+    chunked = draw(st.booleans())
     admission = draw(st.sampled_from(["conservative", "on_demand"]))
     max_context = draw(st.integers(4, 40))
     max_seqs = draw(st.integers(1, 6))
@@ -283,8 +344,10 @@ def setups(draw):
                                   page_size)
     else:
         allocator = SlotAllocator(draw(st.integers(1, 4)), max_context)
+    # with chunking, budgets small enough that many prompts take several steps
+    budget = draw(st.integers(max_seqs, 12 if chunked else 48))
     return dict(policy=policy, admission=admission, max_context=max_context, max_seqs=max_seqs,
-                allocator=allocator, max_batch_tokens=draw(st.integers(max_seqs, 48)),
+                chunked=chunked, allocator=allocator, max_batch_tokens=budget,
                 requests=requests, seed=draw(st.integers(0, 2**16)))
 
 
@@ -292,7 +355,8 @@ def simulate(setup, fail_rate, cancel_rate):
     """Drive a scheduler through a workload, checking every step; return results and the log."""
     pool = setup["allocator"]
     sched = Scheduler(pool, setup["max_seqs"], setup["max_batch_tokens"], setup["max_context"],
-                      eos_token_ids=[EOS], policy=setup["policy"], admission=setup["admission"])
+                      eos_token_ids=[EOS], policy=setup["policy"], admission=setup["admission"],
+                      chunked_prefill=setup.get("chunked", False))
     token_rng = random.Random(setup["seed"])
     arrivals = sorted(
         ((step, [token_rng.randrange(1, VOCAB) for _ in range(n)], params(new, ign))
@@ -336,7 +400,9 @@ def simulate(setup, fail_rate, cancel_rate):
             retried = sched.schedule()
             assert retried == batch
         check_batch(sched, setup, batch, before, generated, worst, group, group_decoded)
-        admitted = [r.request_id for r in batch.rows if batch.kind == "prefill" and not r.num_generated]
+        admitted = [r.request_id for r in batch.rows
+                    if r.kind == "prefill" and r.start_pos == 0 and r.request_id not in first_admissions]
+        assert admitted == sched._in_flight.log_entry["admitted"]
         if setup["policy"] == "static":
             if admitted:
                 assert not group_decoded, "static admitted while its group was decoding"
@@ -344,11 +410,11 @@ def simulate(setup, fail_rate, cancel_rate):
             group_decoded |= batch.kind == "decode"
             assert len(group) <= setup["max_seqs"]
         first_admissions += admitted
-        sampled = [fake_next_token(prompts[r.request_id][0] + generated[r.request_id])
-                   for r in batch.rows]
+        sampling = [r for r in batch.rows if r.samples]
+        sampled = [fake_next_token(prompts[r.request_id][0] + generated[r.request_id]) for r in sampling]
         sched.complete(batch.batch_id, sampled)
         pool.check_invariants()
-        for row, token in zip(batch.rows, sampled, strict=True):
+        for row, token in zip(sampling, sampled, strict=True):
             generated[row.request_id].append(token)
         for result in sched.pop_finished():
             results[result.request_id] = result
@@ -373,20 +439,28 @@ def simulate(setup, fail_rate, cancel_rate):
 def check_batch(sched, setup, batch, before, generated, worst, group, group_decoded):
     """Rows say what the brief promises, and a decode step only runs when no prefill could."""
     pool = sched.allocator
+    chunked = setup.get("chunked", False)
     ids = [r.request_id for r in batch.rows]
     assert len(set(ids)) == len(ids) <= setup["max_seqs"]
     for row in batch.rows:
         request = sched._requests[row.request_id]
         sequence = request.prompt_ids + generated[row.request_id]
-        if batch.kind == "prefill":
+        # a row continues where the cache ends (0 for a newcomer or a preempted request)
+        preempted_now = row.request_id in sched._in_flight.log_entry["preempted"]
+        assert row.start_pos == (0 if preempted_now else before["num_computed"].get(row.request_id, 0))
+        assert row.token_ids == sequence[row.start_pos:row.context_len]
+        assert row.samples == (row.context_len == len(sequence))
+        if row.kind == "decode":
+            assert len(row.token_ids) == 1 and row.samples
+        elif not chunked:
             assert row.start_pos == 0 and row.token_ids == sequence
-        else:
-            assert row.token_ids == sequence[-1:] and row.start_pos == len(sequence) - 1
         assert len(row.block_table) == pool.blocks_needed(row.context_len)
     slots = batch.slot_mapping
     assert len(set(slots.tolist())) == len(slots) and 0 <= slots.min()
     assert slots.max() < pool.num_blocks * pool.block_size
-    if batch.kind == "prefill":
+    if chunked:
+        assert batch.num_tokens <= setup["max_batch_tokens"]
+    if batch.kind != "decode":
         assert len(ids) == 1 or batch.num_tokens <= setup["max_batch_tokens"]
         return
     assert set(ids) | set(sched.snapshot()["waiting"]) >= set(before["running"])
@@ -398,6 +472,8 @@ def check_batch(sched, setup, batch, before, generated, worst, group, group_deco
             seat = head in group or (not group_decoded and len(group) < setup["max_seqs"])
         if setup["admission"] == "conservative":
             memory = sum(worst[r] for r in before["running"]) + worst[head] <= pool.num_blocks
+        elif chunked and setup["policy"] == "continuous":
+            return    # the decodes took their pages first: what is left is not known from before
         else:
             memory = pool.blocks_needed(before["num_tokens"][head]) <= before["free_blocks"]
         assert not (seat and memory), "decoded although the head of the queue could be admitted"
@@ -426,43 +502,52 @@ def test_failed_batches_change_nothing_and_cancels_return_what_was_generated(set
 def test_tight_pools_preempt_often_and_outputs_do_not_change():
     """Seeded stress on top of hypothesis: on-demand admission over pools a few requests wide."""
     rng = random.Random(2024)
-    preemptions = 0
+    preemptions = chunked_preemptions = 0
     for seed in range(40):
         max_context, page_size = rng.randint(8, 40), rng.randint(1, 4)
         requests = [(rng.randint(0, 3), rng.randint(1, max_context // 2), rng.randint(4, 24), True)
                     for _ in range(rng.randint(4, 12))]
         largest = max(-(-(min(n + new, max_context) - 1) // page_size) for _, n, new, _ in requests)
+        max_seqs, chunked = rng.randint(2, 8), seed % 2 == 1
         setup = dict(policy=rng.choice(["static", "continuous"]), admission="on_demand",
-                     max_context=max_context, max_seqs=rng.randint(2, 8),
+                     max_context=max_context, max_seqs=max_seqs, chunked=chunked,
                      allocator=PageAllocator(largest + rng.randint(0, largest), page_size),
-                     max_batch_tokens=64, requests=requests, seed=seed)
+                     max_batch_tokens=rng.randint(max_seqs, 12) if chunked else 64,
+                     requests=requests, seed=seed)
         _, log = simulate(setup, fail_rate=0.2, cancel_rate=0.05)
         preemptions += sum(len(entry["preempted"]) for entry in log)
-    assert preemptions > 100        # 154 with these seeds: the preemption path is well exercised
+        chunked_preemptions += chunked * sum(len(entry["preempted"]) for entry in log)
+    # 150 with these seeds, 75 of them with chunked prefill: the preemption path is well exercised
+    assert preemptions > 100 and chunked_preemptions > 40
 
 
 # ---- sessions: a finished request's pages serve the next request of its conversation -----------
 
 def run_on_fake_cache(batch, cache: dict) -> list[int]:
-    """Write each new token into its slot, then read every row's context back THROUGH ITS BLOCK TABLE:
-    a wrong adopted page (stale, cut too short, shared) changes the sequence the fake model sees."""
+    """Write each new token into its slot, then read every sampling row's context back THROUGH ITS
+    BLOCK TABLE: a wrong adopted page (stale, cut too short, shared) or a chunk written to the wrong
+    place changes the sequence the fake model sees."""
     for slot, token in zip(batch.slot_mapping.tolist(), batch.token_ids.tolist(), strict=True):
         cache[slot] = token
     size = batch.block_size
     return [fake_next_token([cache.get(row.block_table[p // size] * size + p % size, -1)
-                             for p in range(row.context_len)]) for row in batch.rows]
+                             for p in range(row.context_len)]) for row in batch.rows if row.samples]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("admission", ["conservative", "on_demand"])
 @pytest.mark.parametrize("seed", range(6))
-def test_sessions_reuse_pages_and_stay_exact(admission, seed):
+def test_sessions_reuse_pages_and_stay_exact(admission, seed, chunked):
     """Conversations of several turns (each prompt extends, or edits, the last), interleaved, in a pool
-    small enough to evict parked pages and (on demand) preempt; some batches fail and are retried."""
+    small enough to evict parked pages and (on demand) preempt; some batches fail and are retried.
+    With chunked prefill the budget is small: the part of a prompt after its reused prefix is fed in
+    chunks, mixed with the other conversations' decodes."""
     rng = random.Random(seed)
     max_context = 48
-    sched = Scheduler(PageAllocator(14, 4), max_seqs=3, max_batch_tokens=40, max_context=max_context,
-                      admission=admission)
+    sched = Scheduler(PageAllocator(14, 4), max_seqs=3, max_batch_tokens=6 if chunked else 40,
+                      max_context=max_context, admission=admission, chunked_prefill=chunked)
     cache, history, expected, reused = {}, {}, {}, 0
+    started = set()      # requests with a completed row since their last (re)admission
     turns_left = {s: 4 for s in range(4)}
     live = {}
     while turns_left or sched.has_unfinished():
@@ -488,8 +573,15 @@ def test_sessions_reuse_pages_and_stay_exact(admission, seed):
             sched.fail(batch.batch_id)
             sched.allocator.check_invariants()
             continue
-        reused += sum(row.start_pos for row in batch.rows if batch.kind == "prefill")
+        # a request's first row after admission starts after the prefix it adopted
+        preempted = set(sched._in_flight.log_entry["preempted"])
+        started -= preempted
+        first = sum(row.start_pos for row in batch.rows if row.request_id not in started)
+        assert all(row.kind == "prefill" for row in batch.rows if row.request_id not in started)
+        reused += first
+        started |= {row.request_id for row in batch.rows}
         sched.complete(batch.batch_id, run_on_fake_cache(batch, cache))
+        assert sched.step_log[-1]["reused_tokens"] == first
         sched.allocator.check_invariants()
         for result in sched.pop_finished():
             assert (result.token_ids, result.finish_reason) == expected[result.request_id]

@@ -42,7 +42,7 @@ def _first_difference(title: str, got, want, step_log, context: str) -> bool:
     except (TypeError, ValueError):
         print(f"[x] {title}{context}: return a list of (kind, [request ids]) pairs, got {got!r}")
         return False
-    for s, (mine, real) in enumerate(zip(got, want)):
+    for s, (mine, real) in enumerate(zip(got, want, strict=False)):
         if mine != real:
             e = step_log[s]
             print(f"[x] {title}{context}: step {s}: you said {mine[0]} {mine[1]}, the scheduler ran "
@@ -168,12 +168,23 @@ class SchedulerSkeleton(Scheduler):
 
     Tools: self.waiting (ids, head first), self.running (ids, oldest first), self.request(rid)
     (.num_tokens: prompt + generated, .worst_blocks), self.allocator, self.admission.
+
+    Chapter 10's schedule prefills whole prompts: chunked prefill (chapter 13) schedules differently,
+    so the skeleton refuses chunked_prefill=True (engine.LLM(..., chunked_prefill=False)). Sessions
+    (a chat's prefix reuse) are not part of it either: every prompt is computed whole.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.policy != "continuous":
             raise ValueError("the scheduler exercise is continuous batching: use policy='continuous'")
+        if self.chunked_prefill:
+            raise ValueError("the scheduler exercise prefills whole prompts: use chunked_prefill=False "
+                             "(engine.LLM(..., chunked_prefill=False))")
+
+    def submit(self, prompt_ids, params, session=None) -> int:
+        """Queue a request (a session is ignored: its prompt is computed whole)."""
+        return super().submit(prompt_ids, params)
 
     # ---- yours -----------------------------------------------------------------------------------
     def admit_waiting(self) -> list:
@@ -202,31 +213,23 @@ class SchedulerSkeleton(Scheduler):
         """Move the head of the queue into the batch: reserve its pages, mark it running; its prefill Row."""
         if not self._waiting or self._waiting[0] != request_id:
             raise ValueError(f"admit the head of the waiting queue ({list(self._waiting)[:1]}), not {request_id}")
-        request = self._requests[self._waiting.popleft()]
-        self.allocator.reserve(request_id, request.num_tokens)
-        request.status = "running"
-        self._running.append(request_id)
-        return self._row(request, request.prompt_ids + request.generated, start_pos=0)
+        request = self._requests[request_id]
+        return self._start(request, request.num_tokens)
 
     def preempt(self, request_id: int) -> None:
         """Free its pages and put it back at the head of the queue (to be recomputed later)."""
-        self._running.remove(request_id)
         self._preempt(request_id)
 
     def decode_row(self, request_id: int):
         """The decode Row of a running request: its last token at position num_tokens - 1."""
-        request = self._requests[request_id]
-        return self._row(request, request.generated[-1:], start_pos=request.num_tokens - 1)
+        return self._reserve_row(self._requests[request_id], 1)
 
-    # ---- the engine's schedule() calls these two ---------------------------------------------------
+    # ---- the engine's schedule() calls these two (without chunked prefill) ---------------------------
     def _prefill_rows(self):
-        return self.admit_waiting()
+        return self.admit_waiting(), []
 
     def _decode_rows(self):
-        rows, preempted = self.decode_running()
-        scheduled = {row.request_id for row in rows}
-        self._running = [rid for rid in self._running if rid in scheduled]
-        return rows, preempted
+        return self.decode_running()
 
 
 def _scheduler_workloads(seed: int):
@@ -249,7 +252,7 @@ def _scheduler_workloads(seed: int):
 def check_scheduler(cls: type, model_dir=None) -> bool:
     """Your SchedulerSkeleton subclass makes the same decisions as the engine's Scheduler: first on ~30
     stand-in workloads (tight page pools, token budgets, late arrivals, preemptions), then inside
-    engine.LLM on a tiny random model, where the tokens of every request must match too."""
+    engine.LLM on a tiny random model (chunked_prefill=False), where the tokens of every request must match too."""
     title = "scheduler"
     count = 0
     for lens, news, pages, page_size, max_seqs, budget, admission, arrivals in _scheduler_workloads(5):
@@ -272,7 +275,7 @@ def check_scheduler(cls: type, model_dir=None) -> bool:
         count += 1
     print(f"[OK] {title}: the same step logs as the engine on all {count} stand-in workloads")
     return check_llm_with(title, model_dir or tiny_model_dir(), *_tiny_requests(), kv_cache_mib=0.05,
-                          scheduler_cls=cls)
+                          chunked_prefill=False, scheduler_cls=cls)
 
 
 def _tiny_requests():

@@ -137,7 +137,7 @@ def serving_logs() -> list[list[dict]]:
         for batching, kv, mib, max_seqs in (("continuous", "paged", None, 4), ("static", "contiguous", None, 4),
                                             ("continuous", "paged", 0.05, 8)):
             llm = LLM(model_dir, "numpy", batching=batching, kv_cache=kv, kv_cache_mib=mib,
-                      max_context=96, max_seqs=max_seqs)
+                      max_context=96, max_seqs=max_seqs, chunked_prefill=False)   # kinds: prefill | decode
             prompts = [[int(t) for t in rng.integers(3, 300, int(rng.integers(2, 20)))] for _ in range(7)]
             params = [SamplingParams(max_new_tokens=int(rng.integers(1, 30)), ignore_eos=True) for _ in prompts]
             llm.generate(prompts, params)

@@ -32,23 +32,25 @@ def compare_step_logs(title: str, got: list[dict], want: list[dict], context: st
     return True
 
 
-def run_llm(model_dir, prompts, params, *, kv_cache_mib: float, admission: str, max_seqs: int, **classes):
+def run_llm(model_dir, prompts, params, *, kv_cache_mib: float, admission: str, max_seqs: int,
+            chunked_prefill: bool = True, **classes):
     """(token ids per request, step log, texts) of engine.LLM with the given classes."""
     import engine
     llm = engine.LLM(model_dir, backend="numpy", kv_cache_mib=kv_cache_mib, admission=admission,
-                     max_seqs=max_seqs, max_context=256, **classes)
+                     max_seqs=max_seqs, max_context=256, chunked_prefill=chunked_prefill, **classes)
     results = llm.generate(prompts, params)
     return [r.token_ids for r in results], llm.last_step_log, [r.text for r in results]
 
 
 def check_llm_with(title: str, model_dir, prompts, params, *, kv_cache_mib: float, admission: str = "on_demand",
-                   max_seqs: int = 4, show_text: bool = False, **classes) -> bool:
+                   max_seqs: int = 4, show_text: bool = False, chunked_prefill: bool = True, **classes) -> bool:
     """engine.LLM with your classes vs with the engine's: the same tokens for every request, the same step log."""
     want_tokens, want_log, _ = run_llm(model_dir, prompts, params, kv_cache_mib=kv_cache_mib,
-                                       admission=admission, max_seqs=max_seqs)
+                                       admission=admission, max_seqs=max_seqs, chunked_prefill=chunked_prefill)
     try:
         got_tokens, got_log, texts = run_llm(model_dir, prompts, params, kv_cache_mib=kv_cache_mib,
-                                             admission=admission, max_seqs=max_seqs, **classes)
+                                             admission=admission, max_seqs=max_seqs,
+                                             chunked_prefill=chunked_prefill, **classes)
     except NotImplementedError:
         print(f"[ ] {title}: not attempted yet (a method still raises NotImplementedError)")
         return False
@@ -93,10 +95,11 @@ def default_chat_prompts(texts=CHAT_PROMPTS) -> tuple:
                        for t in texts]
 
 
-def check_default_model_with(title: str, kv_cache_mib: float = 5.0, max_new_tokens: int = 16, **classes) -> bool:
+def check_default_model_with(title: str, kv_cache_mib: float = 5.0, max_new_tokens: int = 16,
+                             chunked_prefill: bool = True, **classes) -> bool:
     """The default model (SmolLM2, NumPy backend) answers three chat prompts through engine.LLM with your
     classes, in a KV pool too small for all three at once (on-demand admission); the same steps and tokens
-    as with the engine's classes."""
+    as with the engine's classes (both with or both without chunked prefill)."""
     model_dir, prompts = default_chat_prompts()
     return check_llm_with(title, model_dir, prompts, default_params(len(prompts), max_new_tokens),
-                          kv_cache_mib=kv_cache_mib, show_text=True, **classes)
+                          kv_cache_mib=kv_cache_mib, show_text=True, chunked_prefill=chunked_prefill, **classes)
