@@ -669,9 +669,9 @@ class Scheduler:
         there) until the row fits, or the request itself when it is that newest."""
         rows, preempted = [], []
         for rid in request_ids:
-            if rid not in self._running:        # preempted for an older request of this step
-                continue
             request = self._requests[rid]
+            if request.status != "running":     # preempted for an older request of this step
+                continue
             chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
             if chunk < 1:
                 break
@@ -706,7 +706,10 @@ class Scheduler:
         start, end = request.num_computed, request.num_computed + chunk
         self.allocator.reserve(request.request_id, end)
         decode = chunk == 1 and request.generated and end == request.num_tokens
-        return Row(request.request_id, request.tokens[start:end], start,
+        prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
+        tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
+            else request.tokens[start:end]
+        return Row(request.request_id, tokens, start,
                    self.allocator.block_table(request.request_id), request.params,
                    len(request.generated), samples=end == request.num_tokens,
                    kind="decode" if decode else "prefill")
