@@ -45,7 +45,7 @@ extern "C" __global__ void probe(float* out) { out[0] = __bfloat162float(__float
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cupy_unavailable_reason() -> str | None:
     """None when CuPy can run kernels here, else one sentence saying why not."""
     try:
@@ -158,7 +158,7 @@ def kernel_path(stage: str) -> Path:
     return KERNELS_DIR / f"{stage}.cu"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_module(stage: str, defines: tuple = ()):
     """Compile kernels_cu/<stage>.cu once per set of -D defines; errors name the file and line.
 
@@ -207,7 +207,7 @@ def load_kernel(stage: str, name: str, **defines):
     return kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device_id: int = 0) -> int:
     """Number of streaming multiprocessors (asked once: the attribute query is slow)."""
     import cupy
@@ -279,6 +279,7 @@ class _Cublas:
 
     def __init__(self):
         import ctypes
+
         import cupy
         self.ctypes = ctypes
         self.lib = ctypes.CDLL(_cublas_library_path())
@@ -337,7 +338,7 @@ def _cublas_library_path() -> str:
     raise BackendError("cannot find libcublas (install the CUDA toolkit or the cuda extra)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cublas_for_device(device_id: int) -> _Cublas:
     return _Cublas()
 

@@ -167,7 +167,7 @@ def scenario_prefill(args, setup, model, hf):
 
 
 def scenario_decode(args, setup, model, hf, ceiling_gbps):
-    from engine.generate import ChatSession
+    from engine.chat_session import ChatSession
     from engine.sampling import SamplingParams
     rng = np.random.default_rng(2)
     ids = random_prompt(rng, args.prompt_len, model.config.vocab_size)

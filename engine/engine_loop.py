@@ -523,8 +523,8 @@ class EngineLoop:
     def _build_stats(self) -> dict:
         """Plain data: counts, the page map, per-request timelines, time to first token, throughput."""
         snap = self.scheduler.snapshot()
-        owners = [-1] * snap["num_blocks"]          # -1 free, -2 cached for a session, else request id
-        for request_id, table in snap["block_tables"].items():
+        owners = [-1] * snap["num_pages"]          # -1 free, -2 cached for a session, else request id
+        for request_id, table in snap["page_tables"].items():
             for page in table:
                 owners[page] = request_id
         for table in snap["parked_tables"].values():
@@ -538,11 +538,11 @@ class EngineLoop:
             "now": now,
             "running": len(snap["running"]),
             "waiting": len(snap["waiting"]),
-            "pages_total": snap["num_blocks"],
-            "pages_used": snap["used_blocks"],
+            "pages_total": snap["num_pages"],
+            "pages_used": snap["used_pages"],
             "pages_cached": sum(len(t) for t in snap["parked_tables"].values()),
-            "page_size": snap["block_size"],
-            "page_tables": {int(k): list(v) for k, v in snap["block_tables"].items()},
+            "page_size": snap["page_size"],
+            "page_tables": {int(k): list(v) for k, v in snap["page_tables"].items()},
             "page_owners": owners,
             "steps": self.num_steps,
             "tokens_generated": self.tokens_generated,

@@ -62,7 +62,7 @@ def bucket_of(rows: int, buckets: tuple[int, ...]) -> int | None:
 
 def is_decode_batch(fb) -> bool:
     """One token per sequence over a cache (what a decode graph computes), logits of every row."""
-    if fb.block_tables is None or fb.slot_mapping is None or fb.num_tokens == 0:
+    if fb.page_tables is None or fb.slot_mapping is None or fb.num_tokens == 0:
         return False
     if fb.num_tokens != len(fb.cu_seqlens) - 1 or fb.fresh:
         return False
@@ -81,12 +81,12 @@ def input_views(flat, bucket: int, width: int):
 
 def pack_decode_inputs(fb, bucket: int, width: int, flat: np.ndarray) -> None:
     """Write a decode batch of R <= bucket rows, padded to `bucket`, into flat[:input_size] (host)."""
-    R, tw = fb.num_tokens, fb.block_tables.shape[1]
+    R, tw = fb.num_tokens, fb.page_tables.shape[1]
     ids, pos, slots, tables = input_views(flat, bucket, width)
     ids[:R], ids[R:] = fb.token_ids, 0
     pos[:R], pos[R:] = fb.positions, 0
     slots[:R], slots[R:] = fb.slot_mapping, -1          # padding rows write no K/V
-    tables[:R, :tw], tables[:R, tw:] = fb.block_tables, -1
+    tables[:R, :tw], tables[:R, tw:] = fb.page_tables, -1
     tables[R:] = 0                                      # padding rows read key 0 of page 0
 
 
@@ -109,7 +109,7 @@ class DecodeGraphs:
     def __init__(self, model, cache, max_rows: int, enabled: bool | None = None):
         self.model, self.cache = model, cache
         self.buckets = buckets_for(max_rows)
-        self.width = -(-model.max_context // cache.block_size)     # pages a table can ever hold
+        self.width = -(-model.max_context // cache.page_size)     # pages a table can ever hold
         wanted = graphs_enabled_by_env() if enabled is None else bool(enabled)
         self.enabled = wanted and model.backend.is_gpu
         self.disabled_reason: str | None = None
@@ -140,7 +140,7 @@ class DecodeGraphs:
         if not self.enabled or any_active() or not is_decode_batch(fb):
             return None
         bucket = bucket_of(fb.num_tokens, self.buckets)
-        if bucket is None or fb.block_tables.shape[1] > self.width \
+        if bucket is None or fb.page_tables.shape[1] > self.width \
                 or int(fb.positions.max()) >= self.model.max_context:   # eager raises the usual error
             return None
         check_ids(fb.token_ids, self.model.config.vocab_size)         # host ids: no device traffic

@@ -350,8 +350,8 @@ class Bench:
 
     def paged(self):
         from engine.config import config_from_dict
-        from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, paged_attention_ref
         from engine.ops.attention import split_qkv
+        from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, paged_attention_ref
         cp = self.cp
         cases = [(4, 4, 64, [1, 17, 33, 100], 16, None), (32, 8, 64, [5, 300, 1000], 16, None),
                  (16, 2, 128, [64, 257], 16, 3), (8, 1, 32, [31, 16, 2], 7, None), (12, 3, 64, [500], 16, 5),
@@ -361,7 +361,8 @@ class Bench:
             S = len(ctxs)
             args = (cp.asarray(tables_h), cp.asarray(seq_h), cp.asarray(pos_h))
             big = S * max(ctxs) >= 8192
-            ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h, D ** -0.5).reshape(S, -1)
+            ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h,
+                                                       D ** -0.5).reshape(S, -1)
             for sp in ([1, splits] if splits else [None]):
                 with self.poisoned():
                     out = paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp)

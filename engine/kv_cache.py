@@ -1,9 +1,9 @@
 """The KV cache: where the keys and values of past tokens live (chapters 08-11).
 
-One layout serves every chapter: per layer, K and V are [num_blocks, block_size, Hkv, D].
-  * chapter 08/09/10, contiguous: one block per sequence slot, block_size = max_context, so a
+One layout serves every chapter: per layer, K and V are [num_pages, page_size, Hkv, D].
+  * chapter 08/09/10, contiguous: one page per sequence slot, page_size = max_context, so a
     sequence's tokens sit back to back and the slot reserves its whole context up front;
-  * chapter 11, paged: many small blocks (16 tokens) shared by all sequences through block tables.
+  * chapter 11, paged: many small pages (16 tokens) shared by all sequences through page tables.
 bf16 (uint16 bits) on the GPU, float32 on the CPU; allocated once, up front, after checking that
 it fits in the memory there is (a typo in kv_cache_mib is a ValueError, not a machine that swaps).
 """
@@ -33,23 +33,23 @@ def available_bytes(backend: Backend) -> int:
 
 
 class KVCache:
-    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, backend: Backend | str = "numpy"):
-        num_blocks, block_size = _count("num_blocks", num_blocks), _count("block_size", block_size)
+    def __init__(self, config: LlamaConfig, num_pages: int, page_size: int, backend: Backend | str = "numpy"):
+        num_pages, page_size = _count("num_pages", num_pages), _count("page_size", page_size)
         self.config, self.backend = config, resolve_backend(backend)
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_pages, self.page_size = num_pages, page_size
         xp = self.backend.xp
         dtype = xp.uint16 if self.backend.is_gpu else xp.float32
-        shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
         wanted = 2 * math.prod(shape) * np.dtype(dtype).itemsize          # K and V
         if wanted > available_bytes(self.backend):
-            raise ValueError(f"a KV cache of {num_blocks} x {block_size} tokens needs {wanted / 2**20:.0f} MiB, "
+            raise ValueError(f"a KV cache of {num_pages} x {page_size} tokens needs {wanted / 2**20:.0f} MiB, "
                              f"more than the {available_bytes(self.backend) / 2**20:.0f} MiB available")
         self.k = xp.zeros(shape, dtype=dtype)      # [L, NB, BS, Hkv, D]
         self.v = xp.zeros(shape, dtype=dtype)
 
     @classmethod
     def contiguous(cls, config: LlamaConfig, num_slots: int, max_context: int, backend="numpy") -> KVCache:
-        """num_slots sequences of up to max_context tokens each (block table of a slot: [slot])."""
+        """num_slots sequences of up to max_context tokens each (page table of a slot: [slot])."""
         return cls(config, num_slots, max_context, backend)
 
     @classmethod
@@ -73,7 +73,7 @@ class KVCache:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_pages * self.page_size
 
     @property
     def nbytes(self) -> int:

@@ -27,9 +27,9 @@ from engine.backend import resolve_backend
 from engine.config import check_serving_args, load_config
 from engine.engine_loop import BatchFailed, EngineLoop, RequestHandle
 from engine.graph_runner import DecodeGraphs
+from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
-from engine.paged_kv import PageAllocator, SlotAllocator
 from engine.sampling import SamplingParams, sample, step_uniforms
 from engine.scheduler import ADMISSIONS, Scheduler
 
@@ -159,9 +159,9 @@ class LLM:
 
     def new_scheduler(self, first_request_id: int = 0) -> Scheduler:
         if self.kv_cache_kind == "contiguous":
-            allocator = SlotAllocator(self.cache.num_blocks, self.max_context)
+            allocator = SlotAllocator(self.cache.num_pages, self.max_context)
         else:
-            allocator = self.allocator_cls(self.cache.num_blocks, self.page_size)
+            allocator = self.allocator_cls(self.cache.num_pages, self.page_size)
         # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
         # stops a request as well as the config's.
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
@@ -259,8 +259,8 @@ class LLM:
         token, position = row.token_ids[0], row.start_pos
         if self._decode_graph is None:
             from engine.cuda_graph import DecodeGraph
-            self._decode_graph = DecodeGraph(self.model, self.cache, token, position, row.block_table)
-        return self._decode_graph(token, position, row.block_table)
+            self._decode_graph = DecodeGraph(self.model, self.cache, token, position, row.page_table)
+        return self._decode_graph(token, position, row.page_table)
 
     def _step(self, sched: Scheduler, seeds: dict[int, int]):
         """schedule -> forward -> sample -> complete. (batch, sampled tokens), or None when there was
@@ -273,7 +273,7 @@ class LLM:
         try:
             # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
             logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
-            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.block_tables,
+            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.page_tables,
                               batch.slot_mapping, logits_rows=logits_rows)
             logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
             if logits is None and self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:

@@ -4,7 +4,7 @@
 The same code runs on both backends: each op runs its NumPy reference on NumPy arrays and its CUDA
 kernel on CuPy arrays. The input is a `ForwardBatch`: the token ids of one or more sequences packed
 one after another, their absolute positions, and (with a cache) where each token's K/V goes and
-which cache blocks each sequence reads. One description covers every chapter:
+which cache pages each sequence reads. One description covers every chapter:
 
     model.logits(ids)                      chapter 07: one prompt, no cache
     prefill of a prompt into the cache     chapter 08: positions 0..n-1, slot mapping
@@ -40,15 +40,15 @@ class ForwardBatch:
     token_ids    [T]       tokens of all sequences, packed
     positions    [T]       absolute position of each token in its sequence
     cu_seqlens   [S + 1]   sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1]
-    block_tables [S, MB]   cache blocks of each sequence (None without a cache)
-    slot_mapping [T]       cache slot (block * block_size + offset) of each token (None without a cache)
+    page_tables [S, MB]   cache pages of each sequence (None without a cache)
+    slot_mapping [T]       cache slot (page * page_size + offset) of each token (None without a cache)
     logits_rows  [R]       rows whose logits are wanted (None = every row)
     """
 
     token_ids: np.ndarray
     positions: np.ndarray
     cu_seqlens: np.ndarray
-    block_tables: np.ndarray | None = None
+    page_tables: np.ndarray | None = None
     slot_mapping: np.ndarray | None = None
     logits_rows: np.ndarray | None = None
 
@@ -67,15 +67,15 @@ class ForwardBatch:
         return bool(np.all(self.positions[self.cu_seqlens[:-1]] == 0))
 
     @classmethod
-    def single(cls, token_ids, start_pos: int = 0, block_table=None, block_size: int | None = None,
+    def single(cls, token_ids, start_pos: int = 0, page_table=None, page_size: int | None = None,
                logits_rows=None) -> ForwardBatch:
-        """One sequence; with a block table the tokens' slots are derived from it."""
+        """One sequence; with a page table the tokens' slots are derived from it."""
         ids = np.asarray(token_ids, dtype=np.int32)
         pos = np.arange(start_pos, start_pos + len(ids), dtype=np.int32)
         tables = slots = None
-        if block_table is not None:
-            tables = np.asarray([block_table], dtype=np.int32)
-            slots = (tables[0][pos // block_size] * block_size + pos % block_size).astype(np.int32)
+        if page_table is not None:
+            tables = np.asarray([page_table], dtype=np.int32)
+            slots = (tables[0][pos // page_size] * page_size + pos % page_size).astype(np.int32)
         return cls(ids, pos, np.array([0, len(ids)], dtype=np.int32), tables, slots,
                    None if logits_rows is None else np.asarray(logits_rows, dtype=np.int32))
 
@@ -143,7 +143,7 @@ class Model:
         return self.run(
             dev(batch.token_ids), dev(batch.positions), batch.cu_seqlens, cache,
             slots=dev(batch.slot_mapping) if cache is not None else None,
-            tables=dev(batch.block_tables) if cached else None,
+            tables=dev(batch.page_tables) if cached else None,
             seq_idx=dev(batch.seq_idx) if cached else None,
             longest=int(batch.positions.max()) + 1 if cached else None,
             logits_rows=None if batch.logits_rows is None else dev(batch.logits_rows))

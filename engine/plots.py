@@ -6,8 +6,8 @@ is None) and returns the Axes:
 
     gantt(log)                    one row per request, one bar per run of steps in the same state
     occupancy(log, max_seqs)      rows in each batch (and static batching's idle seats), queue length
-    memory(log, block_size)       KV cache reserved vs holding real tokens; the gap is waste
-    page_table(snapshot)          the pool of pages: who owns each page, how full it is, block tables
+    memory(log, page_size)       KV cache reserved vs holding real tokens; the gap is waste
+    page_table(snapshot)          the pool of pages: who owns each page, how full it is, page tables
 
 The numbers behind them (summarize, request_timelines, request_latencies) live in engine/step_log.py.
 """
@@ -117,17 +117,17 @@ def occupancy(step_log, max_seqs: int | None = None, ax=None, title: str | None 
     return _finish(ax, handles, edges, x, "sequences", title)
 
 
-def memory(step_log, block_size: int, ax=None, label: str = "", x: str = "step",
+def memory(step_log, page_size: int, ax=None, label: str = "", x: str = "step",
            show_cached: bool = True, color=None):
-    """KV memory per step, in token positions: reserved (used_blocks * block_size, a line) and
+    """KV memory per step, in token positions: reserved (used_pages * page_size, a line) and
     holding real K/V (cached_tokens, a second line when show_cached), the waste between them shaded."""
     ax = _axes(ax, (10, 2.8))
     mid = x_edges(step_log, x)[1:]                   # the state after each step
-    reserved = np.array([e["used_blocks"] * block_size for e in step_log])
+    reserved = np.array([e["used_pages"] * page_size for e in step_log])
     cached = np.array([e["cached_tokens"] for e in step_log])
     prefix = f"{label}: " if label else ""
     line, = ax.plot(mid, reserved, drawstyle="steps-pre", color=color, lw=1.5,
-                    label=f"{prefix}reserved ({block_size}-token blocks)")
+                    label=f"{prefix}reserved ({page_size}-token pages)")
     ax.fill_between(mid, cached, reserved, step="pre", color=line.get_color(), alpha=0.15)
     if show_cached:
         ax.plot(mid, cached, drawstyle="steps-pre", color="k", lw=1, label="tokens actually cached")
@@ -138,21 +138,21 @@ def memory(step_log, block_size: int, ax=None, label: str = "", x: str = "step",
 
 
 def page_table(snapshot: dict, ax=None, cols: int = 16, title: str | None = None):
-    """The pool as a grid of pages (between steps). Each page: a frame (all num_blocks of them),
+    """The pool as a grid of pages (between steps). Each page: a frame (all num_pages of them),
     plus, when owned, a fill bar in its request's colour as wide as the tokens it holds, labelled
-    r<request>.<index in its block table>. Running requests hold num_tokens - 1 cached tokens (the
-    last sampled token is written by the next step). The block tables are listed below the grid."""
+    r<request>.<index in its page table>. Running requests hold num_tokens - 1 cached tokens (the
+    last sampled token is written by the next step). The page tables are listed below the grid."""
     if snapshot["in_flight"] is not None:
         raise ValueError("page_table draws the pool between steps; this snapshot has a batch in flight")
-    n, bs = snapshot["num_blocks"], snapshot["block_size"]
+    n, bs = snapshot["num_pages"], snapshot["page_size"]
     owner = {}
-    for rid, table in snapshot["block_tables"].items():
+    for rid, table in snapshot["page_tables"].items():
         cached = snapshot["num_tokens"][rid] - 1
         for i, page in enumerate(table):
             owner[page] = (rid, i, min(bs, max(0, cached - i * bs)))
     rows = -(-n // cols)
     lines = [f"r{rid}: pages {table}  ({snapshot['num_tokens'][rid] - 1} tokens cached)"
-             for rid, table in snapshot["block_tables"].items()] or ["(no running request)"]
+             for rid, table in snapshot["page_tables"].items()] or ["(no running request)"]
     text_top = -(rows - 1) - 0.25                      # just below the last row of pages
     bottom = text_top - 0.22 * len(lines) - 0.2
     ax = _axes(ax, (min(cols, n) * 0.7 + 0.5, 0.55 * (1.0 - bottom) + 0.6))
@@ -168,6 +168,6 @@ def page_table(snapshot: dict, ax=None, cols: int = 16, title: str | None = None
     ax.set_xlim(-0.1, min(cols, n))
     ax.set_ylim(bottom, 1.0)
     ax.set_axis_off()
-    free = snapshot["free_blocks"]
+    free = snapshot["free_pages"]
     ax.set_title(title or f"pool of {n} pages x {bs} tokens: {n - free} used, {free} free", fontsize=9)
     return ax

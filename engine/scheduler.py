@@ -17,7 +17,7 @@ it in a loop, one batch in flight at a time:
         results += sched.pop_finished()
 
 Rows. A row feeds the next tokens of one request at positions start_pos... and attends to everything
-before them through its block_table (which covers positions < context_len = start_pos +
+before them through its page_table (which covers positions < context_len = start_pos +
 len(token_ids)). A request's tokens are prompt + generated; the first `num_computed` have their K/V in
 the cache, and a row always continues from there:
 - a prefill row feeds the prompt (or, for a request that was preempted, prompt + the tokens generated
@@ -46,13 +46,13 @@ Policies (`policy=`):
 
 Admission (`admission=`), i.e. how memory is promised:
 - "conservative" (default): a request is admitted only if the pool can hold its worst case next to the
-  worst cases of everyone running: sum(worst_blocks) <= num_blocks, where worst_blocks =
-  blocks_needed(min(prompt + max_new_tokens, max_context) - 1) (the last sampled token is never
-  written to the cache). Blocks are still taken lazily, step by step, but no step can ever run dry,
+  worst cases of everyone running: sum(worst_pages) <= num_pages, where worst_pages =
+  pages_needed(min(prompt + max_new_tokens, max_context) - 1) (the last sampled token is never
+  written to the cache). Pages are still taken lazily, step by step, but no step can ever run dry,
   so there is never a preemption.
-- "on_demand": a request is admitted when its prompt fits now. When a step cannot get a block for
+- "on_demand": a request is admitted when its prompt fits now. When a step cannot get a page for
   a running sequence's row (decode or chunk), the NEWEST running request without a row in this step
-  is preempted (its blocks freed, its generated tokens kept, put back at the HEAD of the waiting
+  is preempted (its pages freed, its generated tokens kept, put back at the HEAD of the waiting
   queue to be re-prefilled with prompt + generated) until the row fits. No request is lost and, for
   a deterministic model, outputs are unchanged; the price is recomputation (`recomputed_tokens` in
   the step log).
@@ -81,7 +81,7 @@ anyone. drop_session(key) frees one at once.
 
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
 flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
-allocator (same free list order, so a retry takes the same blocks), progress through the prompts,
+allocator (same free list order, so a retry takes the same pages), progress through the prompts,
 counters and batch id exactly.
 
 The step log (one StepRecord per completed step, engine/step_log.py) names the rows: request_ids
@@ -101,11 +101,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.paged_kv import BlockAllocator, PageAllocator, SlotAllocator
+from engine.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.step_log import StepRecord
 
 __all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError",
-           "BlockAllocator", "PageAllocator", "SlotAllocator"]
+           "KVAllocator", "PageAllocator", "SlotAllocator"]
 
 POLICIES = ("static", "continuous")
 ADMISSIONS = ("conservative", "on_demand")
@@ -126,7 +126,7 @@ class Row:
     request_id: int
     token_ids: list[int]
     start_pos: int          # absolute position of token_ids[0]
-    block_table: list[int]  # covers positions < context_len, after this step's reservation
+    page_table: list[int]  # covers positions < context_len, after this step's reservation
     params: object          # the request's sampling params, for the runner's sampler
     num_generated: int      # tokens generated before this step (a seeded sampler can key on it)
     samples: bool = True    # False for a chunk that does not reach the end of the prompt
@@ -148,7 +148,7 @@ class Batch:
     batch_id: int
     kind: str               # "prefill" | "decode" | "mixed" (chunked prefill: both kinds of rows)
     rows: list[Row]
-    block_size: int
+    page_size: int
 
     @property
     def num_tokens(self) -> int:
@@ -215,25 +215,25 @@ class Batch:
 
     @property
     def slot_mapping(self) -> np.ndarray:
-        """[T] int32, where each new token's K/V goes: block * block_size + offset."""
+        """[T] int32, where each new token's K/V goes: page * page_size + offset."""
         def build():
             pos = self.positions
             row = np.repeat(np.arange(len(self.rows)), self.lengths)                    # [T]
-            pages = self.block_tables[row, pos // self.block_size]
-            return (pages * self.block_size + pos % self.block_size).astype(np.int32)
+            pages = self.page_tables[row, pos // self.page_size]
+            return (pages * self.page_size + pos % self.page_size).astype(np.int32)
         return self._cached("slot_mapping", build)
 
     @property
-    def block_tables(self) -> np.ndarray:
+    def page_tables(self) -> np.ndarray:
         """[R, max table length] int32, padded with -1."""
         def build():
-            sizes = np.fromiter((len(row.block_table) for row in self.rows), dtype=np.int64, count=len(self.rows))
+            sizes = np.fromiter((len(row.page_table) for row in self.rows), dtype=np.int64, count=len(self.rows))
             tables = np.full((len(self.rows), int(sizes.max())), -1, dtype=np.int32)
             filled = np.arange(tables.shape[1]) < sizes[:, None]                          # [R, W]
-            tables[filled] = np.fromiter(itertools.chain.from_iterable(row.block_table for row in self.rows),
+            tables[filled] = np.fromiter(itertools.chain.from_iterable(row.page_table for row in self.rows),
                                          dtype=np.int32, count=int(sizes.sum()))
             return tables
-        return self._cached("block_tables", build)
+        return self._cached("page_tables", build)
 
 
 @dataclass
@@ -251,7 +251,7 @@ class _Request:
     params: object
     max_new_tokens: int
     ignore_eos: bool
-    worst_blocks: int       # blocks it can ever need: what conservative admission promises it
+    worst_pages: int       # pages it can ever need: what conservative admission promises it
     generated: list[int] = field(default_factory=list)
     status: str = "waiting"  # "waiting" | "running" (finished requests leave the scheduler)
     num_preemptions: int = 0
@@ -314,14 +314,14 @@ class _InFlight:
 
 
 class Scheduler:
-    """Static or continuous batching over a BlockAllocator (SlotAllocator or PageAllocator).
+    """Static or continuous batching over a KVAllocator (SlotAllocator or PageAllocator).
 
     See the module docstring for the policies, admissions, finishing rules and refusals.
     `step_log` holds one StepRecord (engine/step_log.py) per completed step (failed ones leave no
     trace); the runner adds the step's wall time as step_log[-1]["seconds"] after complete().
     """
 
-    def __init__(self, allocator: BlockAllocator, max_seqs: int, max_batch_tokens: int,
+    def __init__(self, allocator: KVAllocator, max_seqs: int, max_batch_tokens: int,
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
                  admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
@@ -370,19 +370,19 @@ class Scheduler:
 
         `session`: a hashable key; the request reuses (and leaves behind) the session's cached pages.
         """
-        prompt, max_new, worst_blocks = self.validate(prompt_ids, params)
+        prompt, max_new, worst_pages = self.validate(prompt_ids, params)
         request_id = self._new_request_id()
         if max_new == 0:   # nothing to generate: finished at once, never scheduled
             self._finished.append(Result(request_id, prompt, [], "length"))
             return request_id
         self._requests[request_id] = _Request(request_id, prompt, params, max_new,
                                               bool(getattr(params, "ignore_eos", False)),
-                                              worst_blocks, session=session)
+                                              worst_pages, session=session)
         self._waiting.append(request_id)
         return request_id
 
     def validate(self, prompt_ids, params) -> tuple[list[int], int, int]:
-        """(prompt, max_new_tokens, worst-case blocks) of a servable request, else InvalidRequest.
+        """(prompt, max_new_tokens, worst-case pages) of a servable request, else InvalidRequest.
 
         Depends only on the sizes fixed at construction: safe to call from any thread.
         """
@@ -405,14 +405,14 @@ class Scheduler:
             return prompt, 0, 0
         # The last sampled token is never fed back, so the cache holds one token less than the end.
         cached_tokens = min(len(prompt) + max_new, self.max_context) - 1
-        worst_blocks = self.allocator.blocks_needed(cached_tokens)
-        if cached_tokens > self.allocator.max_seq_len or worst_blocks > self.allocator.num_blocks:
+        worst_pages = self.allocator.pages_needed(cached_tokens)
+        if cached_tokens > self.allocator.max_seq_len or worst_pages > self.allocator.num_pages:
             raise InvalidRequest(
-                f"request needs up to {cached_tokens} cached tokens ({worst_blocks} blocks of "
-                f"{self.allocator.block_size}), larger than the whole KV pool "
-                f"({self.allocator.num_blocks} blocks, at most {self.allocator.max_seq_len} "
+                f"request needs up to {cached_tokens} cached tokens ({worst_pages} pages of "
+                f"{self.allocator.page_size}), larger than the whole KV pool "
+                f"({self.allocator.num_pages} pages, at most {self.allocator.max_seq_len} "
                 f"tokens per sequence)")
-        return prompt, max_new, worst_blocks
+        return prompt, max_new, worst_pages
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -439,7 +439,7 @@ class Scheduler:
             return None
         kinds = {row.kind for row in rows}
         kind = kinds.pop() if len(kinds) == 1 else "mixed"
-        batch = Batch(self._next_batch_id, kind, rows, self.allocator.block_size)
+        batch = Batch(self._next_batch_id, kind, rows, self.allocator.page_size)
         self._next_batch_id += 1
         self._in_flight = _InFlight(batch, saved, self._log_entry(batch, preempted),
                                     self._next_request_id)
@@ -542,18 +542,18 @@ class Scheduler:
             "num_computed": {rid: r.num_computed for rid, r in self._requests.items()},
             "preemptions": {rid: r.num_preemptions for rid, r in self._requests.items()},
             "status": {rid: r.status for rid, r in self._requests.items()},
-            "block_tables": {rid: self.allocator.block_table(rid) for rid in self._running},
-            "free_blocks": self.allocator.num_free,
-            "used_blocks": self.allocator.num_used,
-            "num_blocks": self.allocator.num_blocks,
-            "block_size": self.allocator.block_size,
+            "page_tables": {rid: self.allocator.page_table(rid) for rid in self._running},
+            "free_pages": self.allocator.num_free,
+            "used_pages": self.allocator.num_used,
+            "num_pages": self.allocator.num_pages,
+            "page_size": self.allocator.page_size,
             "group": list(self._group),
             "group_decoding": self._group_decoding,
             "idle_slots": self._idle_slots(),
             "total_preemptions": self.num_preemptions,
             "next_batch_id": self._next_batch_id,
             "finished": [result.request_id for result in self._finished],
-            "parked_tables": {p.seq_id: self.allocator.block_table(p.seq_id) for p in self._parked.values()},
+            "parked_tables": {p.seq_id: self.allocator.page_table(p.seq_id) for p in self._parked.values()},
         }
 
     # ---- internals ---------------------------------------------------------------------------
@@ -590,7 +590,7 @@ class Scheduler:
         `alone_if_long`); with chunking it is admitted with a first chunk of what is left of them.
         """
         rows: list[Row] = []
-        promised = sum(self._requests[rid].worst_blocks for rid in self._running)
+        promised = sum(self._requests[rid].worst_pages for rid in self._running)
         while self._waiting and budget > 0:
             request = self._requests[self._waiting[0]]
             todo = request.num_tokens - self._reusable(request)
@@ -601,9 +601,9 @@ class Scheduler:
             if not self._fits_now(request):   # on demand: the whole sequence fits now
                 break
             if (self.admission == "conservative"
-                    and promised + request.worst_blocks > self.allocator.num_blocks):
+                    and promised + request.worst_pages > self.allocator.num_pages):
                 break
-            promised += request.worst_blocks
+            promised += request.worst_pages
             chunk = min(todo, budget) if self.chunked_prefill else todo
             rows.append(self._start(request, chunk))
             budget -= chunk
@@ -619,9 +619,9 @@ class Scheduler:
         """Pages for all of the request's tokens now, counting parked pages (its session's, which it
         adopts, and everyone else's, which can be evicted) as free."""
         n = request.num_tokens
-        parked = sum(len(self.allocator.block_table(p.seq_id)) for p in self._parked.values())
+        parked = sum(len(self.allocator.page_table(p.seq_id)) for p in self._parked.values())
         return n <= self.allocator.max_seq_len and \
-            self.allocator.blocks_needed(n) <= self.allocator.num_free + parked
+            self.allocator.pages_needed(n) <= self.allocator.num_free + parked
 
     def _start(self, request: _Request, chunk: int) -> Row:
         """Move the head of the queue to the running requests: adopt its session's parked pages (their
@@ -629,8 +629,8 @@ class Scheduler:
         tokens after that prefix lack pages; the row of that chunk."""
         reused = self._reusable(request)
         parked = self._parked.get(request.session) if request.session is not None else None
-        own = len(self.allocator.block_table(parked.seq_id)) if parked else 0
-        while (self.allocator.blocks_needed(reused + chunk) > self.allocator.num_free + own
+        own = len(self.allocator.page_table(parked.seq_id)) if parked else 0
+        while (self.allocator.pages_needed(reused + chunk) > self.allocator.num_free + own
                and any(session != request.session for session in self._parked)):
             self._evict_oldest_parked(keep=request.session)
         if parked:
@@ -710,7 +710,7 @@ class Scheduler:
         tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
             else request.tokens[start:end]
         return Row(request.request_id, tokens, start,
-                   self.allocator.block_table(request.request_id), request.params,
+                   self.allocator.page_table(request.request_id), request.params,
                    len(request.generated), samples=end == request.num_tokens,
                    kind="decode" if decode else "prefill")
 
@@ -795,8 +795,8 @@ class Scheduler:
             "running": len(self._running),
             "waiting": len(self._waiting),
             "idle_slots": self._idle_slots(),
-            "used_blocks": self.allocator.num_used,
-            "free_blocks": self.allocator.num_free,
+            "used_pages": self.allocator.num_used,
+            "free_pages": self.allocator.num_free,
             "cached_tokens": cached,
             "finished": [],        # filled in by complete()
             "sampled_tokens": [],  # filled in by complete(): one per sampling row

@@ -1,8 +1,8 @@
 // Chapter 11: write the K and V of new tokens into the cache, one slot per token.
-// The cache of one layer is [num_blocks, block_size, Hkv, D]; a token's slot is
-// block * block_size + offset (the slot mapping the scheduler computes from the block table),
+// The cache of one layer is [num_pages, page_size, Hkv, D]; a token's slot is
+// page * page_size + offset (the slot mapping the scheduler computes from the page table),
 // so the destination row is simply cache + slot * Hkv * D. A contiguous per-sequence cache is the
-// special case block_size = max_context, one block per sequence.
+// special case page_size = max_context, one page per sequence.
 // A negative slot marks a padding row of a CUDA-graph batch bucket (engine/graph_runner.py): nothing
 // is written for it.
 // Thread layout: one block per token; threads copy 4-byte pairs of bf16 along the K row and the V row.

@@ -2,9 +2,9 @@
 //
 // Every query row r (a decode token, or one token of a prompt being prefilled over the cache)
 // belongs to sequence seq_idx[r], sits at absolute position pos[r], and attends to the keys at
-// positions 0..pos[r] of its sequence. Key j lives in page block_tables[seq][j / BS] at offset j % BS.
-// The cache of one layer is [num_blocks, BS, Hkv, D] in bf16; a contiguous cache is the case of
-// one block of BS = max_context per sequence, so the same kernel serves chapters 08-11.
+// positions 0..pos[r] of its sequence. Key j lives in page page_tables[seq][j / BS] at offset j % BS.
+// The cache of one layer is [num_pages, BS, Hkv, D] in bf16; a contiguous cache is the case of
+// one page of BS = max_context per sequence, so the same kernel serves chapters 08-11.
 //
 // Grid: (rows, Hkv, splits). One block serves ONE KV head and ALL the GROUP query heads that share
 // it (GQA): each key/value vector is loaded once and used GROUP times. No score matrix exists:
@@ -25,7 +25,7 @@
 // time. kernel_bench times both.
 //
 // Compile-time constants (NVRTC -D options): HEAD_DIM (16..256, power of two) and GROUP (query
-// heads per KV head, 1..8); STAGES, UNROLL and MIN_BLOCKS are tuning knobs (tests/gpu/).
+// heads per KV head, 1..8); STAGES, UNROLL and MIN_BLOCKS are tuning knobs (notes/measurements/).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -85,10 +85,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R, Hq*D] (row stride in elements)
                 const bf16* __restrict__ k_cache,                          // [NB, BS, Hkv, D]
                 const bf16* __restrict__ v_cache,                          // [NB, BS, Hkv, D]
-                const int* __restrict__ block_tables, int max_blocks,      // [S, max_blocks]
+                const int* __restrict__ page_tables, int max_pages,      // [S, max_pages]
                 const int* __restrict__ seq_idx,                           // [R]
                 const int* __restrict__ positions,                         // [R]
-                int block_size, int n_kv_heads, float scale_log2e,
+                int page_size, int n_kv_heads, float scale_log2e,
                 bf16* __restrict__ out, long long out_row_stride,          // [R, Hq*D]   (splits == 1)
                 float* __restrict__ part_ml,                               // [R, Hq, splits, 2] (splits > 1)
                 float* __restrict__ part_acc) {                            // [R, Hq, splits, D]
@@ -96,7 +96,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kg = lane / LPK;                   // which key of the warp's step this lane works on
     const int d0 = (lane % LPK) * 8;             // first of this lane's 8 dimensions
-    const int* table = block_tables + (long long)seq_idx[r] * max_blocks;
+    const int* table = page_tables + (long long)seq_idx[r] * max_pages;
     const int ctx = positions[r] + 1;
 
     // This split's slice of the context: keys [k_begin, k_end). Short rows leave late slices empty.
@@ -145,7 +145,7 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
             for (int u = 0; u < UNROLL; ++u) {
                 const int j = base + u * KPW + kg;
                 if (j < k_end) {
-                    const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+                    const long long slot = (long long)table[j / page_size] * page_size + j % page_size;
                     cp_async16(&kv_smem[warp][it % STAGES][u][0][lane], k_cache + slot * token_stride + head_off);
                     cp_async16(&kv_smem[warp][it % STAGES][u][1][lane], v_cache + slot * token_stride + head_off);
                 }
@@ -275,14 +275,14 @@ extern "C" __global__ void paged_attention_merge(const float* __restrict__ part_
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 paged_attention_naive(const bf16* __restrict__ q, long long q_row_stride,
                       const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                      const int* __restrict__ block_tables, int max_blocks,
+                      const int* __restrict__ page_tables, int max_pages,
                       const int* __restrict__ seq_idx, const int* __restrict__ positions,
-                      int block_size, int n_kv_heads, float scale_log2e,
+                      int page_size, int n_kv_heads, float scale_log2e,
                       bf16* __restrict__ out, long long out_row_stride,
                       float* __restrict__ part_ml, float* __restrict__ part_acc) {
     const int r = blockIdx.x, kvh = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int* table = block_tables + (long long)seq_idx[r] * max_blocks;
+    const int* table = page_tables + (long long)seq_idx[r] * max_pages;
     const int ctx = positions[r] + 1;
     const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
     for (int g = warp; g < GROUP; g += NWARPS) {
@@ -296,7 +296,7 @@ paged_attention_naive(const bf16* __restrict__ q, long long q_row_stride,
         }
         float m = -INFINITY, l = 0.0f;
         for (int j = 0; j < ctx; ++j) {
-            const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+            const long long slot = (long long)table[j / page_size] * page_size + j % page_size;
             const bf16* kr = k_cache + slot * token_stride + (long long)kvh * HEAD_DIM;
             const bf16* vr = v_cache + slot * token_stride + (long long)kvh * HEAD_DIM;
             float s = 0.0f;

@@ -13,6 +13,6 @@ if os.environ.get("CI"):
 sys.path.insert(0, os.path.dirname(__file__))
 
 try:
-    from default_model_fixtures import default_gguf_path, default_model_dir  # noqa: F401
+    from helpers.default_model import default_gguf_path, default_model_dir  # noqa: F401
 except ImportError as exc:  # a bare GPU box without the package's dependencies (gguf) runs test_gpu.py only
     print(f"conftest: default-model fixtures unavailable ({exc})", file=sys.stderr)

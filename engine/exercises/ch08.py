@@ -83,7 +83,7 @@ def greedy_with_cache(model, prompt: list[int], n_new: int, position_shift: int 
     absolute position. `position_shift` moves every decode token (to compute a classic bug's answer)."""
     ctx = model.max_context
     cache = KVCache.contiguous(model.config, 1, ctx)
-    batch = ForwardBatch.single(prompt, 0, block_table=[0], block_size=ctx, logits_rows=[len(prompt) - 1])
+    batch = ForwardBatch.single(prompt, 0, page_table=[0], page_size=ctx, logits_rows=[len(prompt) - 1])
     logits = model.forward(batch, cache)                                       # [1, V]
     out = []
     for step in range(n_new):
@@ -91,7 +91,7 @@ def greedy_with_cache(model, prompt: list[int], n_new: int, position_shift: int 
         if step + 1 == n_new:
             break                                      # the last token is returned, never fed
         pos = len(prompt) + step + position_shift
-        logits = model.forward(ForwardBatch.single([out[-1]], pos, block_table=[0], block_size=ctx), cache)
+        logits = model.forward(ForwardBatch.single([out[-1]], pos, page_table=[0], page_size=ctx), cache)
     return out
 
 

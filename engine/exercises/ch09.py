@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.config import config_from_dict
 from engine.exercises import check_cases
-from engine.paged_kv import BlockAllocator, SlotAllocator
+from engine.kv_allocator import KVAllocator, SlotAllocator
 from engine.random_model import PRESETS
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -22,7 +22,7 @@ STAND_IN_TOKEN = 7
 
 def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy: str, max_seqs: int,
                   max_batch_tokens: int | None = None, arrivals: Sequence[int] | None = None,
-                  allocator: BlockAllocator | None = None, admission: str = "conservative",
+                  allocator: KVAllocator | None = None, admission: str = "conservative",
                   scheduler_cls: type[Scheduler] = Scheduler) -> list[dict]:
     """The step log of a workload. Request i gets id i and is submitted once arrivals[i] steps have
     run (non-decreasing; default: all before the first step), or earlier when the engine would

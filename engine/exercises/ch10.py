@@ -15,7 +15,7 @@ from engine.exercises.serving_check import (
     compare_step_logs,
     tiny_model_dir,
 )
-from engine.paged_kv import PageAllocator
+from engine.kv_allocator import PageAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_log import request_latencies
@@ -157,8 +157,8 @@ class SchedulerSkeleton(Scheduler):
           the head fits: a seat (len(self.running) < self.max_seqs), room in the token budget (the
           batch's tokens + its tokens <= self.max_batch_tokens; the first one always fits), pages for
           its tokens now (self.allocator.can_reserve(rid, n)), and with admission == "conservative"
-          its worst case next to everyone's promised ones (self.promised_blocks() + worst_blocks <=
-          self.allocator.num_blocks). Admit with self.admit(rid). Return [] when the head does not fit.
+          its worst case next to everyone's promised ones (self.promised_blocks() + worst_pages <=
+          self.allocator.num_pages). Admit with self.admit(rid). Return [] when the head does not fit.
       decode_running() -> (list[Row], list[int])
           One decode row per running sequence, oldest first. Each needs room for one more token
           (self.allocator.can_reserve / reserve(rid, request.num_tokens)). While it does not fit,
@@ -167,7 +167,7 @@ class SchedulerSkeleton(Scheduler):
           preempted ids in preemption order).
 
     Tools: self.waiting (ids, head first), self.running (ids, oldest first), self.request(rid)
-    (.num_tokens: prompt + generated, .worst_blocks), self.allocator, self.admission.
+    (.num_tokens: prompt + generated, .worst_pages), self.allocator, self.admission.
 
     Chapter 10's schedule prefills whole prompts: chunked prefill (chapter 13) schedules differently,
     so the skeleton refuses chunked_prefill=True (engine.LLM(..., chunked_prefill=False)). Sessions
@@ -207,7 +207,7 @@ class SchedulerSkeleton(Scheduler):
 
     def promised_blocks(self) -> int:
         """Pages promised to the running requests' worst cases (conservative admission)."""
-        return sum(self._requests[rid].worst_blocks for rid in self._running)
+        return sum(self._requests[rid].worst_pages for rid in self._running)
 
     def admit(self, request_id: int):
         """Move the head of the queue into the batch: reserve its pages, mark it running; its prefill Row."""

@@ -1,4 +1,4 @@
-"""Chapter 11 exercises: the block-table lookup, the pages a request can need, and the online
+"""Chapter 11 exercises: the page-table lookup, the pages a request can need, and the online
 softmax (one key at a time, then merging two partial states, as the split-K kernel does)."""
 from __future__ import annotations
 
@@ -8,21 +8,21 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
+from engine.kv_allocator import PageAllocator
 from engine.ops.paged_attention import NWARPS
-from engine.paged_kv import PageAllocator
 from engine.sampling import SamplingParams
 from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
 
 # ----------------------------------------------------------------------------- the lookup
 
-def _slot_ref(block_table, position: int, block_size: int) -> int:
+def _slot_ref(page_table, position: int, page_size: int) -> int:
     """Where the engine puts the token: Batch.slot_mapping of a one-token row at that position."""
-    row = Row(0, [0], position, list(block_table), None, 0)
-    return int(Batch(0, "decode", [row], block_size).slot_mapping[0])
+    row = Row(0, [0], position, list(page_table), None, 0)
+    return int(Batch(0, "decode", [row], page_size).slot_mapping[0])
 
 
 def check_slot_of(fn: Callable[[list, int, int], int]) -> bool:
-    """fn(block_table, position, block_size) -> the cache slot (row of the flattened pool) that
+    """fn(page_table, position, page_size) -> the cache slot (row of the flattened pool) that
     holds the token at that absolute position of the sequence."""
     rng = np.random.default_rng(13)
     cases = []
@@ -30,9 +30,9 @@ def check_slot_of(fn: Callable[[list, int, int], int]) -> bool:
         for pos in sorted({0, 1, bs - 1, bs, len(table) * bs - 1, int(rng.integers(0, len(table) * bs))}):
             if pos < len(table) * bs:
                 cases.append(((table, pos, bs), _slot_ref(table, pos, bs)))
-    hints = [("the position was used as the slot: that is only true for one contiguous block 0",
+    hints = [("the position was used as the slot: that is only true for one contiguous page 0",
               lambda t, p, bs: p),
-             ("the block number was not multiplied by block_size (slot = block * block_size + offset)",
+             ("the page number was not multiplied by page_size (slot = page * page_size + offset)",
               lambda t, p, bs: t[p // bs] + p % bs),
              ("the table was indexed by the offset and the page by the quotient, the wrong way round",
               lambda t, p, bs: t[p % bs] * bs + p // bs)]
@@ -287,7 +287,7 @@ def check_paged_attention_kernel(source=None) -> bool | None:
 # ----------------------------------------------------------------------------- write the page allocator yourself
 
 class PageAllocatorSkeleton(PageAllocator):
-    """engine.paged_kv.PageAllocator with reserve, free and rollback left to you.
+    """engine.kv_allocator.PageAllocator with reserve, free and rollback left to you.
 
     The state (all yours to change):
       self.free_list   deque of free page numbers: take from the LEFT (popleft), give back on the RIGHT
@@ -298,7 +298,7 @@ class PageAllocatorSkeleton(PageAllocator):
       reserve(seq_id, new_len) -> list[int]
           Grow seq's table (a new one if it has none) to cover positions < new_len; return the pages
           just taken, in order (maybe []). If it cannot (self.can_reserve is False), raise
-          OutOfBlocks and change nothing. Record what rollback() needs to undo it.
+          OutOfPages and change nothing. Record what rollback() needs to undo it.
       free(seq_id)
           Give all of seq's pages back (append them to the free list in table order) and forget
           its table. A sequence without a table: raise AllocatorError. Record it for rollback().
@@ -320,7 +320,7 @@ class PageAllocatorSkeleton(PageAllocator):
         return self._journal
 
     def pages_needed(self, n_tokens: int) -> int:
-        return self.blocks_needed(n_tokens)
+        return self.pages_needed(n_tokens)
 
     def reserve(self, seq_id: int, new_len: int) -> list[int]:
         raise NotImplementedError
@@ -355,11 +355,11 @@ def _allocator_scripts(seed: int):
 
 def _apply(allocator, op) -> str:
     """Run one operation; what it returned or raised, as text."""
-    from engine.paged_kv import AllocatorError, OutOfBlocks
+    from engine.kv_allocator import AllocatorError, OutOfPages
     try:
         result = getattr(allocator, op[0])(*op[1:])
-    except OutOfBlocks:
-        return "raised OutOfBlocks"
+    except OutOfPages:
+        return "raised OutOfPages"
     except AllocatorError:
         return "raised AllocatorError"
     return f"returned {result!r}"

@@ -10,10 +10,10 @@ import numpy as np
 from engine.config import LlamaConfig
 from engine.exercises import check_cases
 from engine.exercises.ch08 import config_label, preset_config
-from engine.paged_kv import PageAllocator, SlotAllocator
-from engine.step_log import summarize
+from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.random_model import write_random_model
 from engine.sampling import SamplingParams
+from engine.step_log import summarize
 
 GIB = 2**30
 

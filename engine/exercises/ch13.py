@@ -133,7 +133,7 @@ def _unmasked(q, k, v, scale):
 
 def chunk_schedule_ref(prompt_len: int, num_decoding: int, max_batch_tokens: int) -> list[int]:
     """The real scheduler's chunks of a prompt that arrives while num_decoding requests decode."""
-    from engine.paged_kv import PageAllocator
+    from engine.kv_allocator import PageAllocator
     from engine.sampling import SamplingParams
     from engine.scheduler import Scheduler
     steps = prompt_len // max(1, max_batch_tokens - num_decoding) + 2    # the decodes outlive the prefill

@@ -162,7 +162,7 @@ def _stage_set(yours: dict[str, Callable]) -> dict[str, Callable]:
 
 def _run(model, prompt_ids: list[int], stages: dict[str, Callable], params: SamplingParams):
     """(records, generated ids, final-pass logits) of one full causal pass plus one greedy generation."""
-    from engine.generate import ChatSession
+    from engine.chat_session import ChatSession
     recorder = _Recorder()
     with use_stages({name: recorder.wrap(name, fn) for name, fn in stages.items()}):
         logits = model.logits(prompt_ids)

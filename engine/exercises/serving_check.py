@@ -13,7 +13,7 @@ from engine.sampling import SamplingParams
 
 # What a step log entry must agree on (timings and the entry's own counters are left out).
 STEP_FIELDS = ("kind", "request_ids", "admitted", "preempted", "recomputed_tokens", "finished", "running",
-               "waiting", "used_blocks", "free_blocks", "tokens")
+               "waiting", "used_pages", "free_pages", "tokens")
 
 
 def compare_step_logs(title: str, got: list[dict], want: list[dict], context: str = "") -> bool:
@@ -23,7 +23,7 @@ def compare_step_logs(title: str, got: list[dict], want: list[dict], context: st
             if mine.get(name) != real.get(name):
                 print(f"[x] {title}{context}: step {step} differs first, in {name!r}: yours {mine.get(name)!r}, "
                       f"the engine's {real.get(name)!r}\n    engine's step {step}: {real['kind']} of "
-                      f"{real['request_ids']} (preempted {real['preempted']}, {real['free_blocks']} pages free)")
+                      f"{real['request_ids']} (preempted {real['preempted']}, {real['free_pages']} pages free)")
                 return False
     if len(got) != len(want):
         print(f"[x] {title}{context}: your run took {len(got)} steps, the engine's {len(want)}; the first "

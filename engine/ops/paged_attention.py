@@ -1,9 +1,9 @@
 """Chapter 11 (used from chapter 08 on): attention over the KV cache, and writing K/V into it.
 
-The cache of one layer is [num_blocks, block_size, Hkv, D]. A sequence's block table lists its
-blocks; the token at absolute position p lives in block block_table[p // block_size] at offset
-p % block_size, i.e. at slot block * block_size + offset. The contiguous cache of chapters 08-10 is
-the special case of one block of block_size = max_context per sequence.
+The cache of one layer is [num_pages, page_size, Hkv, D]. A sequence's page table lists its
+pages; the token at absolute position p lives in page page_table[p // page_size] at offset
+p % page_size, i.e. at slot page * page_size + offset. The contiguous cache of chapters 08-10 is
+the special case of one page of page_size = max_context per sequence.
 
 Every query row r attends to positions 0..positions[r] of sequence seq_idx[r]: a decode step is one
 row per sequence; a prompt appended to a cached prefix is one row per prompt token.
@@ -14,10 +14,10 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel, sm_count
 from engine.config import ConfigError, LlamaConfig
-
-NWARPS = 4          # warps per block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 from engine.ops.attention import softmax, split_qkv
 from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
+
+NWARPS = 4          # warps per thread block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 
 
 def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
@@ -52,15 +52,15 @@ def kv_write(qkv, slot_mapping, k_cache, v_cache, config: LlamaConfig) -> None:
         kernel((T,), (128,), (qkv, slot_mapping, k_cache, v_cache, np.int32(config.q_dim), np.int32(config.kv_dim)))
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale: float) -> np.ndarray:
+def paged_attention_ref(q, k_cache, v_cache, page_tables, seq_idx, positions, scale: float) -> np.ndarray:
     """q [R, Hq, D] -> [R, Hq, D]; row r attends to positions 0..positions[r] of its sequence."""
     R, Hq, D = q.shape
     BS, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = np.empty((R, Hq, D), dtype=np.float32)
     for r in range(R):
         ctx = int(positions[r]) + 1
-        pages = block_tables[seq_idx[r], : (ctx + BS - 1) // BS]
-        if len(pages) == 1:      # one block (always, for a contiguous cache): a view, no copy
+        pages = page_tables[seq_idx[r], : (ctx + BS - 1) // BS]
+        if len(pages) == 1:      # one page (always, for a contiguous cache): a view, no copy
             keys, values = k_cache[pages[0], :ctx], v_cache[pages[0], :ctx]    # [ctx, Hkv, D]
         else:                    # gather the pages in table order, then drop the unused tail
             keys = k_cache[pages].reshape(-1, Hkv, D)[:ctx]
@@ -84,17 +84,17 @@ def check_gpu_shape(config: LlamaConfig) -> None:
 def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> int:
     """How many slices of the context each (row, KV head) is cut into.
 
-    With fewer (row, KV head) blocks than about one wave (~3 per SM) most SMs would idle, so the
+    With fewer (row, KV head) thread blocks than about one wave (~3 per SM) most SMs would idle, so the
     context is split until there are that many, keeping at least 128 keys per slice so that the
     merge stays cheap. Measured on an H200: 64 sequences x 2,048 keys is fastest unsplit; one
     sequence of 4,096 keys runs ~6x faster with 8+ slices than unsplit.
     """
-    blocks = rows * n_kv_heads
+    blocks = rows * n_kv_heads                   # thread blocks of one split
     wanted = -(-3 * n_sms // blocks)              # ceil
     return int(max(1, min(wanted, -(-max_context // 128), 64)))
 
 
-def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig,
+def paged_attention(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config: LlamaConfig,
                     max_context: int, splits: int | None = None):
     """Attention of every row of qkv [R, (Hq+2Hkv)*D] over the cache -> [R, Hq*D].
 
@@ -110,9 +110,9 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
         q, _, _ = split_qkv(qkv, config)
         if plug is not None:
             plug.require_function()
-            got = plug.fn(q.copy(), k_cache, v_cache, block_tables, seq_idx, positions, scale)
+            got = plug.fn(q.copy(), k_cache, v_cache, page_tables, seq_idx, positions, scale)
             return checked_result("paged_attention", got, q.shape).reshape(R, -1)
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_idx, positions, scale).reshape(R, -1)
+        return paged_attention_ref(q, k_cache, v_cache, page_tables, seq_idx, positions, scale).reshape(R, -1)
     if plug is not None:
         if plug.fn is not None:
             cache_function_on_gpu("paged_attention")
@@ -131,7 +131,7 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
     kernel = plug.kernel(**kernel_args) if plug is not None else load_kernel("paged_attention", "paged_attention",
                                                                                **kernel_args)
-    kernel((R, Hkv, splits), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions,
+    kernel((R, Hkv, splits), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions,
                                                          config, out, part_ml, part_acc))
     if splits > 1:
         load_kernel("paged_attention", "paged_attention_merge", **kernel_args)(
@@ -139,15 +139,15 @@ def paged_attention(qkv, k_cache, v_cache, block_tables, seq_idx, positions, con
     return out
 
 
-def _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig, out, part_ml, part_acc):
+def _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config: LlamaConfig, out, part_ml, part_acc):
     """The argument tuple shared by paged_attention and paged_attention_naive (kernels_cu/paged_attention.cu)."""
     scale_log2e = config.head_dim ** -0.5 * np.log2(np.e)
-    return (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, block_tables, np.int32(block_tables.shape[1]),
+    return (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, page_tables, np.int32(page_tables.shape[1]),
             seq_idx, positions, np.int32(k_cache.shape[1]), np.int32(config.num_key_value_heads),
             np.float32(scale_log2e), out, np.int64(config.q_dim), part_ml, part_acc)
 
 
-def paged_attention_naive(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config: LlamaConfig):
+def paged_attention_naive(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config: LlamaConfig):
     """The ladder's first rung on the GPU (kernel_bench compares it with `paged_attention`): one warp
     per query head, keys one at a time, no split. Same arguments and result as paged_attention."""
     import cupy as cp
@@ -157,6 +157,6 @@ def paged_attention_naive(qkv, k_cache, v_cache, block_tables, seq_idx, position
         unused = cp.empty(1, dtype=cp.float32)
         load_kernel("paged_attention", "paged_attention_naive", HEAD_DIM=config.head_dim,
                     GROUP=config.num_attention_heads // Hkv, NWARPS=NWARPS)(
-            (R, Hkv, 1), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, block_tables, seq_idx, positions, config,
+            (R, Hkv, 1), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config,
                                               out, unused, unused))
     return out

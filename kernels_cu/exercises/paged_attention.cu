@@ -1,9 +1,9 @@
 // GPU track, chapter 11: a first paged-attention decode kernel, written by you.
 // Query row r (one new token of sequence seq_idx[r], at position positions[r]) attends to the keys
 // at positions j = 0 .. positions[r] (inclusive: ctx = positions[r] + 1 keys) of its sequence.
-// Key j lives in page block_tables[seq][j / block_size], at offset j % block_size: its slot is
-//     slot = page * block_size + j % block_size,
-// and the cache [pages, block_size, Hkv, D] holds KV head kvh of that key at
+// Key j lives in page page_tables[seq][j / page_size], at offset j % page_size: its slot is
+//     slot = page * page_size + j % page_size,
+// and the cache [pages, page_size, Hkv, D] holds KV head kvh of that key at
 //     k_cache + slot * (n_kv_heads * HEAD_DIM) + kvh * HEAD_DIM   (the same for v_cache).
 // GQA: query head h = kvh * GROUP + g (g < GROUP) reads KV head kvh.
 // Softmax without a score array, one key at a time (online softmax, in base 2: q is pre-scaled by
@@ -38,17 +38,17 @@
 #define DIMS_PER_LANE ((HEAD_DIM + 31) / 32)
 
 extern "C" __global__ void paged_attention(const bf16* __restrict__ q, long long q_row_stride,   // [R, ...]
-                                            const bf16* __restrict__ k_cache,   // [pages, block_size, Hkv, D]
-                                            const bf16* __restrict__ v_cache,   // [pages, block_size, Hkv, D]
-                                            const int* __restrict__ block_tables, int max_blocks,  // [S, max_blocks]
+                                            const bf16* __restrict__ k_cache,   // [pages, page_size, Hkv, D]
+                                            const bf16* __restrict__ v_cache,   // [pages, page_size, Hkv, D]
+                                            const int* __restrict__ page_tables, int max_pages,  // [S, max_pages]
                                             const int* __restrict__ seq_idx,    // [R]
                                             const int* __restrict__ positions,  // [R]
-                                            int block_size, int n_kv_heads, float scale_log2e,
+                                            int page_size, int n_kv_heads, float scale_log2e,
                                             bf16* __restrict__ out, long long out_row_stride,      // [R, Hq*D]
                                             float* __restrict__ part_ml, float* __restrict__ part_acc) {
     const int r = blockIdx.x, kvh = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int* table = block_tables + (long long)seq_idx[r] * max_blocks;   // this sequence's pages
+    const int* table = page_tables + (long long)seq_idx[r] * max_pages;   // this sequence's pages
     const int ctx = positions[r] + 1;
     const long long token_stride = (long long)n_kv_heads * HEAD_DIM;        // one slot of the cache
     for (int g = warp; g < GROUP; g += NWARPS) {

@@ -18,14 +18,14 @@
 
 extern "C" __global__ void paged_attention(const bf16* __restrict__ q, long long q_row_stride,
                                             const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                                            const int* __restrict__ block_tables, int max_blocks,
+                                            const int* __restrict__ page_tables, int max_pages,
                                             const int* __restrict__ seq_idx, const int* __restrict__ positions,
-                                            int block_size, int n_kv_heads, float scale_log2e,
+                                            int page_size, int n_kv_heads, float scale_log2e,
                                             bf16* __restrict__ out, long long out_row_stride,
                                             float* __restrict__ part_ml, float* __restrict__ part_acc) {
     const int r = blockIdx.x, kvh = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int* table = block_tables + (long long)seq_idx[r] * max_blocks;
+    const int* table = page_tables + (long long)seq_idx[r] * max_pages;
     const int ctx = positions[r] + 1;
     const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
     for (int g = warp; g < GROUP; g += NWARPS) {
@@ -38,7 +38,7 @@ extern "C" __global__ void paged_attention(const bf16* __restrict__ q, long long
         }
         float m = -INFINITY, l = 0.0f;
         for (int j = 0; j < ctx; ++j) {
-            const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
+            const long long slot = (long long)table[j / page_size] * page_size + j % page_size;
             const bf16* kr = k_cache + slot * token_stride + (long long)kvh * HEAD_DIM;
             const bf16* vr = v_cache + slot * token_stride + (long long)kvh * HEAD_DIM;
             float s = 0.0f;

@@ -1,0 +1,235 @@
+"""`engine.serve` through the real `openai` client: the API's objects, streaming, stop strings, errors,
+disconnects, and a bounded load test on loopback (nothing lost, no page leaked, greedy outputs equal to
+LLM.generate)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+from helpers.serve import MODEL_NAME, write_tiny_chat_model
+
+openai = pytest.importorskip("openai")
+
+from engine.llm import LLM  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.serve import ServerThread  # noqa: E402
+
+GREEDY = {"temperature": 0.0}
+HELLO = [{"role": "user", "content": "Hello! Tell me about pages."}]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    model_dir = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+    # A small pool (64 pages of 16 tokens) so that the load test queues requests and recycles pages.
+    return LLM(model_dir, backend="numpy", kv_cache_mib=0.5, max_context=256, max_seqs=12)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with ServerThread(llm, MODEL_NAME) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_idle(llm, timeout=30.0) -> dict:
+    """The engine's stats once nothing runs or waits (cancellations land at the next step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = llm.stats()
+        if (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def chat_prompt_len(llm, messages) -> int:
+    tok = llm.tokenizer
+    return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+
+
+# ---- the API's objects -------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].object == "model"
+
+
+def test_chat_completion_plain_and_streamed_agree(client, llm):
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=12, **GREEDY)
+    choice = plain.choices[0]
+    assert plain.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    assert plain.usage.prompt_tokens == chat_prompt_len(llm, HELLO)
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == choice.message.content and reasons == [choice.finish_reason]
+    assert chunks[-1].usage.model_dump() == plain.usage.model_dump()
+
+
+def test_text_completion_equals_llm_generate(client, llm):
+    prompt = "The KV cache stores"
+    reference = llm.generate([prompt], SamplingParams(max_new_tokens=10))[0]
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, **GREEDY)
+    assert plain.object == "text_completion"
+    assert plain.choices[0].text == reference.text
+    assert plain.choices[0].finish_reason == reference.finish_reason
+    assert plain.usage.completion_tokens == len(reference.token_ids)
+    assert plain.usage.prompt_tokens == len(reference.prompt_token_ids)
+    streamed = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reference.text
+
+
+def test_token_id_prompt_and_seeded_sampling(client, llm):
+    ids = llm.tokenizer.encode("Seeds make sampling repeatable", add_special_tokens=True)
+    kwargs = dict(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0.9, top_p=0.9, seed=7,
+                  extra_body={"top_k": 50})
+    first, second = (client.completions.create(**kwargs) for _ in range(2))
+    reference = llm.generate([ids], SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=7))
+    assert first.choices[0].text == second.choices[0].text == reference[0].text
+
+
+# ---- stop strings ------------------------------------------------------------------------------
+
+def test_stop_strings_cut_the_text_plain_and_streamed(client):
+    full = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=24,
+                                     extra_body={"ignore_eos": True}, **GREEDY).choices[0].text
+    assert len(full) > 8, full
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=24, stop=[stop],
+                                        stream=stream, extra_body={"ignore_eos": True}, **GREEDY)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+def test_stop_string_in_chat(client):
+    full = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=16, **GREEDY)
+    text = full.choices[0].message.content
+    stop = text[3:5]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=16, stop=stop, **GREEDY)
+    assert out.choices[0].message.content == text[:text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
+])
+def test_invalid_values_are_400_with_an_error_object(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=HELLO, **kwargs)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"] == param
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_prompt_that_cannot_fit_is_400(client, llm):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=[5] * 300, max_tokens=4)
+    assert "context" in info.value.body["message"] and info.value.body["param"] == "prompt"
+    assert wait_idle(llm)["pages_used"] == 0
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert info.value.body["code"] == "model_not_found" and "tiny-chat" in info.value.body["message"]
+
+
+def test_malformed_requests_get_error_objects(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.get(server.url + "/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# ---- operations --------------------------------------------------------------------------------
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+    client.completions.create(model=MODEL_NAME, prompt="count", max_tokens=3, **GREEDY)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    for name in ("engine_requests_running", "engine_requests_waiting", "engine_kv_pages_used",
+                 "engine_kv_pages_total", "engine_tokens_per_second", "engine_generation_tokens_total"):
+        assert name in values, name
+    assert values["engine_kv_pages_total"] == 64 and values["engine_generation_tokens_total"] >= 3
+    assert values["engine_time_to_first_token_seconds_count"] >= 1
+    assert 0 < values['engine_time_to_first_token_seconds{quantile="0.5"}'] < 60
+
+
+def test_disconnect_cancels_the_request(server, llm):
+    body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "text_completion"
+    stats = wait_idle(llm)
+    assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+def test_concurrent_streaming_clients(server, llm):
+    """48 streaming clients at once, random lengths, every fourth one hangs up after two chunks."""
+    rng = random.Random(0)
+    words = "page cache token batch prefill decode queue stream".split()
+    jobs = [(" ".join(rng.choices(words, k=rng.randint(1, 24))), rng.randint(1, 24), i % 4 == 3) for i in range(48)]
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    before = llm.stats()["tokens_generated"]
+
+    async def one(prompt, max_tokens, hang_up):
+        stream = await aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
+                                                  stream=True, extra_body={"ignore_eos": True}, **GREEDY)
+        text, reasons, chunks = [], [], 0
+        async for chunk in stream:
+            chunks += 1
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                if chunk.choices[0].finish_reason:
+                    reasons.append(chunk.choices[0].finish_reason)
+            if hang_up and chunks == 2:
+                await stream.close()
+                return None
+        return "".join(text), reasons
+
+    async def everyone():
+        try:
+            return await asyncio.gather(*(one(*job) for job in jobs))
+        finally:
+            await aclient.close()
+
+    outputs = asyncio.run(everyone())
+    stats = wait_idle(llm)
+    assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
+    assert set(stats["page_owners"]) == {-1}
+    with llm._engine.lock:                          # the loop is at rest: read its allocator
+        llm._engine.scheduler.allocator.check_invariants()
+    served = [(job, out) for job, out in zip(jobs, outputs, strict=True) if not job[2]]
+    reference = llm.generate([p for (p, _, _), _ in served],
+                             [SamplingParams(max_new_tokens=n, ignore_eos=True) for (_, n, _), _ in served])
+    for ((prompt, _, _), out), ref in zip(served, reference, strict=True):
+        assert out == (ref.text, ["length"]), prompt
+    assert stats["tokens_generated"] - before >= sum(n for (_, n, _), _ in served)
