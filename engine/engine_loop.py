@@ -55,18 +55,32 @@ class BatchFailed(Exception):
 
 
 class RequestHandle:
-    """One submitted request: stream its tokens, wait for its result, or cancel it (any thread)."""
+    """One submitted request: stream its tokens, wait for its result, or cancel it (any thread).
+
+    The loop hands the handle bare token ids (one append per row and step, under the engine's one
+    condition for all handles); StreamEvents, and their text, are made only when a consumer reads
+    them (stream/astream). A request nobody streams (generate() waits for results) never pays for
+    per-token events or incremental detokenization. A request with stop strings gets its text from
+    the loop, which must read it to find the stop.
+    """
 
     def __init__(self, engine: EngineLoop, request_id: int, prompt_token_ids: list[int], params, session):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params, self.session = params, session
         self._engine = engine
-        self._cond = threading.Condition()
-        self._events: list[StreamEvent] = []
-        self._output = None           # RequestOutput once finished
+        self._cond = engine._handles_cv   # shared by every handle: one notify per step wakes all readers
+        # Written by the loop under _cond:
+        self._tokens: list[int] = []      # token ids handed over so far, one per step
+        self._texts: list[str] | None = [] if params.stop else None   # their text (stop strings only)
+        self._end: tuple[list[int], str | None, str] | None = None     # final event: tokens, text, reason
+        self._output = None               # RequestOutput once finished
         self._error: BaseException | None = None
-        self._listeners: list = []    # callables run (on the engine thread) after each new event
+        self._listeners: list = []        # callables run (on the engine thread) after each new event
+        # Made from the above by consumers, under _events_lock:
+        self._events_lock = threading.Lock()
+        self._events: list[StreamEvent] = []
+        self._detok = None
         # Timeline for stats() and the chat's /stats (time.monotonic() seconds), written by the loop.
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -83,6 +97,36 @@ class RequestHandle:
     def done(self) -> bool:
         return self._output is not None or self._error is not None
 
+    def _available(self) -> int:
+        """Events the loop has handed over (call under _cond)."""
+        return len(self._tokens) + (self._end is not None)
+
+    def _read(self, start: int) -> tuple[list[StreamEvent], BaseException | None, bool]:
+        """(events[start:], error, done): the events handed over so far, made into StreamEvents."""
+        with self._cond:
+            n, end, texts = len(self._tokens), self._end, self._texts
+            error, done = self._error, self.done
+        with self._events_lock:             # two readers of one handle share one detokenizer
+            events = self._events
+            for k in range(len(events), n):
+                token = self._tokens[k]
+                text = texts[k] if texts is not None else self._push_text([token])
+                events.append(StreamEvent(self.request_id, [token], text, False, None))
+            if end is not None and len(events) == n:
+                tokens, text, reason = end
+                if text is None:
+                    text = self._push_text(tokens) + (self._detok.flush() if self._detok is not None else "")
+                events.append(StreamEvent(self.request_id, tokens, text, True, reason))
+            return events[start:], error, done
+
+    def _push_text(self, tokens: list[int]) -> str:
+        tokenizer = self._engine._tokenizer
+        if tokenizer is None:
+            return ""
+        if self._detok is None:
+            self._detok = tokenizer.detokenizer(skip_special_tokens=True)
+        return "".join(self._detok.push(t) for t in tokens)
+
     def stream(self, heartbeat: float | None = None) -> Iterator[StreamEvent | None]:
         """Yield events as they come, the last one with finished=True; re-raises a failure.
 
@@ -90,10 +134,9 @@ class RequestHandle:
         """
         i = 0
         while True:
-            with self._cond:
-                if i == len(self._events) and not self.done:
-                    self._cond.wait(heartbeat)
-                new, error, done = self._events[i:], self._error, self.done
+            with self._cond:          # shared by all handles: wait for one of our own events
+                self._cond.wait_for(lambda seen=i: seen < self._available() or self.done, heartbeat)
+            new, error, done = self._read(i)
             i += len(new)
             yield from new            # no event is added once done: these were the last ones
             if done:
@@ -120,12 +163,11 @@ class RequestHandle:
             i = 0
             while True:
                 wake.clear()
-                with self._cond:
-                    new, error, done = self._events[i:], self._error, self.done
+                new, error, done = self._read(i)
                 i += len(new)
                 for event in new:
                     yield event
-                if done and i == len(self._events):
+                if done:
                     if error is not None:
                         raise error
                     return
@@ -149,16 +191,6 @@ class RequestHandle:
         self._engine.cancel(self.request_id)
 
     # ---- engine side ---------------------------------------------------------------------------
-    def _push(self, event: StreamEvent | None, output=None, error: BaseException | None = None) -> None:
-        with self._cond:
-            if event is not None:
-                self._events.append(event)
-            self._output, self._error = output, error
-            self._cond.notify_all()
-            listeners = list(self._listeners)
-        for notify in listeners:
-            notify()
-
     def _enter(self, state: str, at: float) -> None:
         if state != self.state:
             self.state = state
@@ -183,6 +215,7 @@ class EngineLoop:
         self._llm_ref = weakref.ref(llm, lambda _ref: self.close())
         self.lock = threading.Lock()          # held for each loop iteration and by hand-driven steps
         self._cv = threading.Condition()      # guards the queues below and the thread's sleep
+        self._handles_cv = threading.Condition()   # guards what the loop hands to RequestHandles
         self._pending: list[RequestHandle] = []
         self._cancels: set[int] = set()
         self._next_id = 0
@@ -199,8 +232,8 @@ class EngineLoop:
         # Owned by the loop thread:
         self._handles: dict[int, RequestHandle] = {}
         self._seeds: dict[int, int] = {}
-        self._detok: dict[int, object] = {}
-        self._stops: dict[int, StopStringMatcher] = {}     # requests with stop strings
+        self._detok: dict[int, object] = {}                 # requests with stop strings: their text
+        self._stops: dict[int, StopStringMatcher] = {}     # is read here, to find the stop
         self._collectors: list[list[dict]] = []
         self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
         self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, sampled, kind)
@@ -325,9 +358,8 @@ class EngineLoop:
             if request_id != handle.request_id:
                 raise RuntimeError(f"engine and scheduler request ids diverged ({handle.request_id} != {request_id})")
             self._seeds[request_id] = resolve_seed(handle.params)
-            if self._tokenizer is not None:
+            if handle.params.stop:      # validate() made sure there is a tokenizer
                 self._detok[request_id] = self._tokenizer.detokenizer(skip_special_tokens=True)
-            if handle.params.stop:
                 self._stops[request_id] = StopStringMatcher(handle.params.stop)
         self._finish(sched.pop_finished())         # max_new_tokens == 0: finished by submit()
         for request_id in cancels:
@@ -355,7 +387,11 @@ class EngineLoop:
 
     def _account(self, entry: dict, t0: float, t1: float) -> None:
         """Move each row's request to its state; hand each sampled token to its request; finish the
-        ones the scheduler finished. (A chunk that stops short of its prompt's end sampled nothing.)"""
+        ones the scheduler finished. (A chunk that stops short of its prompt's end sampled nothing.)
+
+        The common row (a decode step of a request already decoding, no stop strings) costs a few
+        attribute updates and one list append; events and text are made when someone reads them.
+        """
         self.num_steps += 1
         self._steps.append((t0, t1, entry["sampled"], entry["kind"]))
         for request_id in entry["preempted"]:
@@ -371,40 +407,51 @@ class EngineLoop:
         chunk_ends = {rid: start + n for rid, start, n, samples in entry["chunks"] if not samples}
         for request_id, start in zip(entry["request_ids"], entry["start_positions"], strict=True):
             handle = self._handles[request_id]
+            if handle.state == "decode" and request_id not in prefilling:
+                continue                      # decoding on: its state and prompt progress stay as they are
             handle._enter("prefill" if request_id in prefilling else "decode", t0)
             if request_id in admitted:        # a first row starts after the prefix reused from the session
                 handle.reused_tokens = start
             prompt_len = len(handle.prompt_token_ids)
             handle.prefilled_tokens = min(chunk_ends.get(request_id, prompt_len), prompt_len)
+        delivered: list[tuple[RequestHandle, int, str | None]] = []   # (handle, token, text: stop strings only)
         for request_id, token in zip(entry["sampled_ids"], entry["sampled_tokens"], strict=True):
             handle = self._handles[request_id]
             handle.num_generated += 1
-            self.tokens_generated += 1
             if handle.first_token_at is None:
                 handle.first_token_at = t1
                 self._ttft.append(t1 - handle.submitted_at)
             if request_id in finished:
                 continue
-            text = self._text(request_id, [token], final=False)
-            stop = self._stops.get(request_id)
-            if stop is not None and stop.stopped:      # its text reached a stop string: it ends here
-                result = self.scheduler.cancel(request_id)
-                result.finish_reason = "stop"
-                finished[request_id], final_text[request_id] = result, text
-                continue
+            text = None
+            if handle._texts is not None:
+                text = self._stop_text(request_id, [token], final=False)
+                if self._stops[request_id].stopped:     # its text reached a stop string: it ends here
+                    result = self.scheduler.cancel(request_id)
+                    result.finish_reason = "stop"
+                    finished[request_id], final_text[request_id] = result, text
+                    continue
             handle._enter("decode", t1)
-            handle._push(StreamEvent(request_id, [token], text, False, None))
+            delivered.append((handle, token, text))
+        self.tokens_generated += len(entry["sampled_ids"])
+        listeners = []
+        with self._handles_cv:
+            for handle, token, text in delivered:
+                handle._tokens.append(token)
+                if text is not None:
+                    handle._texts.append(text)
+                if handle._listeners:
+                    listeners += handle._listeners
+            self._handles_cv.notify_all()
+        for notify in listeners:
+            notify()
         self._finish(list(finished.values()), sampled_now=set(finished), at=t1, final_text=final_text)
 
-    def _text(self, request_id: int, tokens: list[int], final: bool) -> str:
-        """New text for new tokens: UTF-8 safe, and never past (or into) a stop string."""
-        detok = self._detok.get(request_id)
-        if detok is None:
-            return ""
+    def _stop_text(self, request_id: int, tokens: list[int], final: bool) -> str:
+        """New text of a request with stop strings: UTF-8 safe, and never past (or into) a stop string."""
+        detok = self._detok[request_id]
         piece = "".join(detok.push(t) for t in tokens) + (detok.flush() if final else "")
-        stop = self._stops.get(request_id)
-        if stop is None:
-            return piece
+        stop = self._stops[request_id]
         shown = stop.push(piece)
         return shown + stop.flush() if final else shown
 
@@ -414,26 +461,38 @@ class EngineLoop:
         (it goes into the final event); `final_text` holds that event's text where it is known already
         (a stop string ended the request)."""
         from engine.llm import RequestOutput
+        if not results:
+            return
         at = time.monotonic() if at is None else at
+        ended = []
         for result in results:
-            handle = self._handles.pop(result.request_id)
-            self._seeds.pop(result.request_id, None)
-            new = result.token_ids[-1:] if result.request_id in sampled_now else []
-            if final_text and result.request_id in final_text:
-                text = final_text[result.request_id]
-            else:
-                text = self._text(result.request_id, new, final=True)
-            self._detok.pop(result.request_id, None)
-            stop = self._stops.pop(result.request_id, None)
-            if stop is not None:       # the matcher saw the whole text, cut at a stop string if one came
-                full = stop.text
-            else:
+            request_id = result.request_id
+            handle = self._handles.pop(request_id)
+            self._seeds.pop(request_id, None)
+            new = result.token_ids[-1:] if request_id in sampled_now else []
+            if request_id in self._stops:    # the matcher saw the whole text, cut at a stop string if one came
+                if final_text and request_id in final_text:
+                    text = final_text[request_id]
+                else:
+                    text = self._stop_text(request_id, new, final=True)
+                full = self._stops.pop(request_id).text
+                self._detok.pop(request_id)
+            else:                            # the handle makes the event's text if someone reads it
+                text = None
                 full = self._tokenizer.decode(result.token_ids, skip_special_tokens=True) if self._tokenizer else ""
             handle.finished_at = at
             handle._enter("finished", at)
             self._recent.append(handle)
-            handle._push(StreamEvent(result.request_id, new, text, True, result.finish_reason),
-                         output=RequestOutput(result.prompt_ids, result.token_ids, full, result.finish_reason))
+            ended.append((handle, (new, text, result.finish_reason),
+                          RequestOutput(result.prompt_ids, result.token_ids, full, result.finish_reason)))
+        listeners = []
+        with self._handles_cv:
+            for handle, end, output in ended:
+                handle._end, handle._output = end, output
+                listeners += handle._listeners
+            self._handles_cv.notify_all()
+        for notify in listeners:
+            notify()
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
@@ -443,7 +502,12 @@ class EngineLoop:
         handle.finished_at = time.monotonic()
         handle._enter("finished", handle.finished_at)
         self._recent.append(handle)
-        handle._push(None, error=error)
+        with self._handles_cv:
+            handle._error = error
+            listeners = list(handle._listeners)
+            self._handles_cv.notify_all()
+        for notify in listeners:
+            notify()
 
     def _fail_all(self, error: BaseException) -> None:
         for handle in list(self._handles.values()):

@@ -106,6 +106,9 @@ class KVAllocator:
         """
         if not isinstance(new_len, int) or new_len < 1:
             raise AllocatorError(f"new_len must be a positive int, got {new_len!r}")
+        table = self._tables.get(seq_id)
+        if table is not None and new_len <= min(len(table) * self.page_size, self.max_seq_len):
+            return []       # already covered (15 decode steps in 16): nothing taken, nothing to undo
         if not self.can_reserve(seq_id, new_len):
             raise OutOfPages(
                 f"sequence {seq_id} needs {self.pages_needed(new_len)} pages for {new_len} tokens "

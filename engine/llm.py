@@ -30,7 +30,7 @@ from engine.graph_runner import DecodeGraphs
 from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.kv_cache import KVCache
 from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
-from engine.sampling import SamplingParams, sample, step_uniform
+from engine.sampling import SamplingParams, sample, step_uniforms
 from engine.scheduler import ADMISSIONS, Scheduler
 
 BATCHING = ("continuous", "static")
@@ -50,6 +50,21 @@ class RequestOutput:
     token_ids: list[int]       # generated tokens (a stopping eos included)
     text: str                  # decoded generated text (special tokens skipped); "" without a tokenizer
     finish_reason: str         # "stop" | "length" | "cancelled"
+
+
+class RowLabels:
+    """What to call each row of a batch in an error ("request 3, step 7"), formatted only when a
+    row's logits are not finite (not every step for every row)."""
+
+    def __init__(self, rows):
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, r) -> str:
+        row = self._rows[r]
+        return f"request {row.request_id}, step {row.num_generated}"
 
 
 def default_max_context(model_max: int, kv_cache: str = "contiguous") -> int:
@@ -207,7 +222,8 @@ class LLM:
         log = self._engine.collect_steps()
         handles = []
         try:
-            handles = self._engine.submit_many([(prompt_ids, sp, None) for prompt_ids, sp in zip(ids, plist, strict=True)])
+            handles = self._engine.submit_many([(prompt_ids, sp, None)
+                                                for prompt_ids, sp in zip(ids, plist, strict=True)])
             outputs = [handle.result() for handle in handles]
         except BaseException:          # an error or Ctrl-C: the rest of this call is not wanted
             for handle in handles:
@@ -264,10 +280,12 @@ class LLM:
                 logits = self._graph_decode(batch.rows[0])
             if logits is None:
                 logits = self.model.forward(fb, self.cache)
-            tokens = sample(logits, [row.params for row in sampling],
-                            [step_uniform(seeds[row.request_id], row.num_generated) for row in sampling],
-                            labels=[f"request {row.request_id}, step {row.num_generated}" for row in sampling]
-                            ).tolist() if sampling else []
+            tokens = []
+            if sampling:
+                uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
+                                         [row.num_generated for row in sampling])
+                tokens = sample(logits, [row.params for row in sampling], uniforms,
+                                labels=RowLabels(sampling)).tolist()
         except BaseException as exc:
             sched.fail(batch.batch_id)
             raise BatchFailed([row.request_id for row in batch.rows]) from exc

@@ -100,6 +100,20 @@ def step_uniform(seed: int, step: int) -> float:
     return (z >> 11) * 2.0**-53
 
 
+def step_uniforms(seeds, steps) -> np.ndarray:
+    """step_uniform for many rows at once: float64 [R], bit for bit the same numbers.
+
+    seeds: R seeds in [0, 2**64); steps: R step numbers. uint64 arithmetic wraps modulo 2**64, which
+    is exactly the `& _MASK64` of the scalar version; (z >> 11) has 53 bits, exact in a float64.
+    """
+    z = np.asarray(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) \
+        + (np.asarray(steps, dtype=np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def resolve_seed(params: SamplingParams) -> int:
     """The seed a request samples with: its own, or a fresh random one."""
     return params.seed if params.seed is not None else int(np.random.SeedSequence().entropy) & _MASK64
@@ -156,8 +170,11 @@ def check_finite_rows(finite, labels=None) -> None:
                                    "was fed a token id it has no embedding for")
 
 
-def sample(logits, params: list[SamplingParams], uniforms: list[float], labels: list[str] | None = None) -> np.ndarray:
+def sample(logits, params: list[SamplingParams], uniforms, labels=None) -> np.ndarray:
     """One token per row of logits [R, V] -> int32 [R] on the host.
+
+    uniforms: R draws in [0, 1) (a list or a float64 array, step_uniforms); labels: R row names
+    for the error below (any sequence: llm.RowLabels formats them only when one is needed).
 
     A row with NaN or inf raises NonFiniteLogitsError (naming it by `labels`): greedy would pick an
     arbitrary id and sampling the last one. On the GPU only the R sampled ids and R finite flags

@@ -669,9 +669,9 @@ class Scheduler:
         there) until the row fits, or the request itself when it is that newest."""
         rows, preempted = [], []
         for rid in request_ids:
-            if rid not in self._running:        # preempted for an older request of this step
-                continue
             request = self._requests[rid]
+            if request.status != "running":     # preempted for an older request of this step
+                continue
             chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
             if chunk < 1:
                 break
@@ -706,7 +706,10 @@ class Scheduler:
         start, end = request.num_computed, request.num_computed + chunk
         self.allocator.reserve(request.request_id, end)
         decode = chunk == 1 and request.generated and end == request.num_tokens
-        return Row(request.request_id, request.tokens[start:end], start,
+        prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
+        tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
+            else request.tokens[start:end]
+        return Row(request.request_id, tokens, start,
                    self.allocator.page_table(request.request_id), request.params,
                    len(request.generated), samples=end == request.num_tokens,
                    kind="decode" if decode else "prefill")
@@ -770,7 +773,7 @@ class Scheduler:
             "batch_id": batch.batch_id,
             "kind": batch.kind,
             "request_ids": [row.request_id for row in batch.rows],
-            "start_positions": [row.start_pos for row in batch.rows],
+            "start_positions": batch.start_positions.tolist(),      # the runner's arrays, built once
             "prefill_ids": [row.request_id for row in prefill_rows],
             # prefill rows holding part of a sequence: [request id, start position, tokens, samples]
             "chunks": [[row.request_id, row.start_pos, len(row.token_ids), row.samples]
@@ -780,7 +783,7 @@ class Scheduler:
             "sampled_ids": [row.request_id for row in batch.rows if row.samples],
             "tokens": batch.num_tokens,
             "prefill_tokens": sum(len(row.token_ids) for row in prefill_rows),
-            "context_tokens": int(sum(row.context_len for row in batch.rows)),
+            "context_tokens": int(batch.context_lens.sum()),
             "arrived": list(range(self._logged_request_id, self._next_request_id)),
             "admitted": [row.request_id for row in first_rows if not self._requests[row.request_id].num_preemptions],
             # tokens computed a second time because a preemption threw their K/V away

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from engine.chat_session import ChatSession
 from engine.llm import LLM
 from engine.model import load_model
-from engine.sampling import SamplingParams, keep_mask, sample, sample_ref, step_uniform
+from engine.sampling import SamplingParams, keep_mask, sample, sample_ref, step_uniform, step_uniforms
 
 MAX_CONTEXT = 64
 
@@ -140,6 +140,14 @@ def test_step_uniform_is_deterministic_and_uniform():
     ks = np.max(np.abs(np.sort(u) - (np.arange(1, len(u) + 1) - 0.5) / len(u)))
     assert ks < 1.63 / math.sqrt(len(u)) + 1e-3                       # Kolmogorov-Smirnov at 1%
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.03                # consecutive steps unrelated
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**31)), min_size=1, max_size=40))
+def test_step_uniforms_equal_step_uniform_bit_for_bit(pairs):
+    seeds, steps = zip(*pairs, strict=True)
+    batch = step_uniforms(list(seeds), list(steps))
+    assert batch.dtype == np.float64
+    assert batch.tolist() == [step_uniform(seed, step) for seed, step in pairs]
 
 
 @settings(max_examples=60, deadline=None)

@@ -73,3 +73,38 @@ def test_stop_strings_need_a_tokenizer(tmp_path):
     bare = LLM(write_random_model(tmp_path / "m", "tiny"), backend="numpy", max_context=64)
     with pytest.raises(ValueError, match="stop strings need text"):
         bare.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, stop="x"))
+
+
+def test_events_are_made_when_read_and_every_reader_sees_the_same(llm):
+    """The loop hands a handle bare token ids; events and their text are made by whoever reads them
+    first (after the end here, and by two threads at once), and they add up to the final output."""
+    import threading
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    handle = llm.submit("Events are made late", params)
+    output = handle.result()                      # nobody streamed while it ran
+    seen = [None, None]
+
+    def read(k):
+        seen[k] = list(handle.stream())
+    readers = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert seen[0] == seen[1] and seen[0][-1].finished and seen[0][-1].finish_reason == "length"
+    assert [t for e in seen[0] for t in e.token_ids] == output.token_ids
+    assert "".join(e.text for e in seen[0]) == output.text
+    assert list(handle.stream()) == seen[0]       # a third read: the same events again
+
+
+def test_host_bench_runs_and_its_digest_is_stable(capsys):
+    import json
+
+    from engine.bench_host import main, workload
+    records = []
+    for _ in range(2):
+        main(["--requests", "6", "--min-len", "4", "--max-len", "12", "--repeat", "1"])
+        records.append(json.loads(capsys.readouterr().out))
+    assert records[0]["outputs_sha256"] == records[1]["outputs_sha256"]
+    assert records[0]["output_tokens"] == sum(p.max_new_tokens for p in workload(6, 4, 12)[1])   # ignore_eos
+    assert records[0]["text_chars"] > 0 and records[0]["host_ms_per_step"] > 0

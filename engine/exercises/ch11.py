@@ -320,7 +320,7 @@ class PageAllocatorSkeleton(PageAllocator):
         return self._journal
 
     def pages_needed(self, n_tokens: int) -> int:
-        return self.pages_needed(n_tokens)
+        return super().pages_needed(n_tokens)
 
     def reserve(self, seq_id: int, new_len: int) -> list[int]:
         raise NotImplementedError
