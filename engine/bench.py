@@ -481,8 +481,8 @@ def main(argv=None) -> int:
     model = None
     if needs_model:
         t = time.perf_counter()
-        model = load_model(model_dir, backend, args.max_context or max(4096, args.prompt_len + args.new_tokens + 8,
-                                                                       args.profile_context + 1))
+        wanted = max(4096, args.prompt_len + args.new_tokens + 8, args.profile_context + 1)
+        model = load_model(model_dir, backend, args.max_context or min(wanted, cfg.max_position_embeddings))
         backend.synchronize()
         seconds = time.perf_counter() - t
         from engine.safetensors import open_checkpoint
