@@ -114,7 +114,29 @@ class Conversation:
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
-class Chat:
+class ConversationFrontEnd:
+    """What the interactive loop reads and sets on a chat, local or remote: its system prompt, its
+    messages, reset. Subclasses hold `self.conversation` and answer the turns."""
+
+    conversation: Conversation
+
+    @property
+    def system(self) -> str | None:
+        return self.conversation.system
+
+    @system.setter
+    def system(self, text: str | None) -> None:
+        self.conversation.system = text
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.conversation.messages
+
+    def reset(self) -> None:
+        self.conversation.messages = []
+
+
+class Chat(ConversationFrontEnd):
     """A conversation on a local engine.LLM: each turn is one request of the chat's session."""
 
     def __init__(self, model_dir, backend: str, params, system: str | None, max_context: int | None, llm=None):
@@ -133,20 +155,8 @@ class Chat:
         self.backend_name = llm.backend.describe()
         self.prefill_rate: float | None = None   # tokens/s of the last prefill, for the progress line
 
-    @property
-    def system(self) -> str | None:
-        return self.conversation.system
-
-    @system.setter
-    def system(self, text: str | None) -> None:
-        self.conversation.system = text
-
-    @property
-    def messages(self) -> list[dict]:
-        return self.conversation.messages
-
     def reset(self) -> None:
-        self.conversation.messages = []
+        super().reset()
         self.llm.drop_session(self.session)
         self.session = object()
 

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
-from engine.chat import Conversation, TurnStats
+from engine.chat import Conversation, ConversationFrontEnd, TurnStats
 
 TIMEOUT_S = 600.0       # a long answer on a busy server may take minutes; a dead one errors sooner
 
@@ -41,7 +41,7 @@ def _error_message(err: urllib.error.HTTPError) -> str:
         return f"HTTP {err.code} {err.reason}"
 
 
-class RemoteChat:
+class RemoteChat(ConversationFrontEnd):
     """Same interface as engine.chat.Chat (answer, reset, system, messages), over HTTP."""
 
     def __init__(self, url: str, params, system: str | None, model: str | None = None):
@@ -54,22 +54,6 @@ class RemoteChat:
         self.conversation = Conversation(system)
         self.model = model or self._first_model()
         self.backend_name = f"server {self.base} (model {self.model})"
-
-    # the attributes the interactive loop uses
-    @property
-    def system(self) -> str | None:
-        return self.conversation.system
-
-    @system.setter
-    def system(self, text: str | None) -> None:
-        self.conversation.system = text
-
-    @property
-    def messages(self) -> list[dict]:
-        return self.conversation.messages
-
-    def reset(self) -> None:
-        self.conversation.messages = []
 
     # ---- HTTP ----------------------------------------------------------------------------------
     def _open(self, path: str, body: dict | None = None):
