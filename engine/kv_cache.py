@@ -32,13 +32,24 @@ def available_bytes(backend: Backend) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_dtype(backend: Backend):
+    """The element type of the cache: bf16 bits (uint16) on the GPU, float32 on the CPU."""
+    return np.uint16 if backend.is_gpu else np.float32
+
+
+def kv_bytes_per_token(config: LlamaConfig, backend: Backend) -> int:
+    """Bytes one token's K and V take in this backend's cache, over all layers (the one rule the pool
+    sizes, the contiguous slots and the engine's defaults are computed from)."""
+    return config.kv_bytes_per_token(np.dtype(kv_dtype(backend)).itemsize)
+
+
 class KVCache:
     def __init__(self, config: LlamaConfig, num_pages: int, page_size: int, backend: Backend | str = "numpy"):
         num_pages, page_size = _count("num_pages", num_pages), _count("page_size", page_size)
         self.config, self.backend = config, resolve_backend(backend)
         self.num_pages, self.page_size = num_pages, page_size
         xp = self.backend.xp
-        dtype = xp.uint16 if self.backend.is_gpu else xp.float32
+        dtype = kv_dtype(self.backend)
         shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
         wanted = 2 * math.prod(shape) * np.dtype(dtype).itemsize          # K and V
         if wanted > available_bytes(self.backend):
@@ -60,7 +71,7 @@ class KVCache:
                 or not math.isfinite(kv_cache_mib) or kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be a finite number > 0, got {kv_cache_mib!r}")
         page_size = _count("page_size", page_size)
-        per_page = config.kv_bytes_per_token(2 if b.is_gpu else 4) * page_size
+        per_page = kv_bytes_per_token(config, b) * page_size
         num_pages = int(kv_cache_mib * 2**20) // per_page
         if num_pages < 1:
             raise ValueError(f"kv_cache_mib={kv_cache_mib} holds no page of {page_size} tokens "

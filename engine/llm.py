@@ -28,7 +28,7 @@ from engine.config import check_serving_args, load_config
 from engine.engine_loop import BatchFailed, EngineLoop, RequestHandle
 from engine.graph_runner import DecodeGraphs
 from engine.kv_allocator import PageAllocator, SlotAllocator
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, kv_bytes_per_token
 from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
 from engine.sampling import SamplingParams, sample, step_uniforms
 from engine.scheduler import ADMISSIONS, Scheduler
@@ -141,7 +141,7 @@ class LLM:
     # ---- memory ------------------------------------------------------------------------------
     def _default_kv_mib(self) -> float:
         """Enough for every sequence at full context, capped by what the device can spare."""
-        per_token = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4)
+        per_token = kv_bytes_per_token(self.config, self.backend)
         wanted = self.max_seqs * self.max_context * per_token / 2**20
         free = self.backend.xp.cuda.runtime.memGetInfo()[0] if self.backend.is_gpu else None
         return default_kv_mib(wanted, free)
@@ -149,7 +149,7 @@ class LLM:
     def _allocate_cache(self, kv_cache_mib):
         mib = self._default_kv_mib() if kv_cache_mib is None else kv_cache_mib
         if self.kv_cache_kind == "contiguous":
-            per_slot = self.config.kv_bytes_per_token(2 if self.backend.is_gpu else 4) * self.max_context
+            per_slot = kv_bytes_per_token(self.config, self.backend) * self.max_context
             slots = int(mib * 2**20 // per_slot)
             if slots < 1:
                 raise ValueError(f"a KV cache of {mib:.0f} MiB cannot hold one slot of {self.max_context} tokens")
