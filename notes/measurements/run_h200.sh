@@ -2,7 +2,8 @@
 # The whole GPU check, stage by stage (run on the GPU machine from the repository root):
 # environment, every GPU test (kernels against their references, the model against NumPy, serving
 # paths, plug-ins, exercises), compute-sanitizer, the recorded GPU-track run, and the benchmarks.
-# Results land in $OUT (default ./gpu-out). Pick stages with STAGES="pytest sanitize ...".
+# Results land in $OUT (default ./gpu-out). Pick stages with STAGES="pytest sanitize ...". A machine
+# without network needs ENGINE_MODEL_DIR set to a converted default model (python -m engine.gguf_convert).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
