@@ -8,6 +8,7 @@ from collections.abc import Callable
 from engine.config import LlamaConfig
 from engine.exercises import check_cases
 from engine.exercises.ch08 import config_label, preset_config
+from engine.exercises.ch12 import decode_floor_ref
 
 IDLE = "idle"      # the label of the time no kernel runs (the GPU waits for the host)
 
@@ -28,9 +29,8 @@ def step_floor_ms_ref(config: LlamaConfig, batch: int, context_len: int, bandwid
                       bytes_per_value: int = 2) -> float:
     """The shortest a decode step can take: every weight is read once (shared by the whole batch),
     and every sequence reads the K/V of its context_len tokens, at the copy bandwidth."""
-    weights = config.num_parameters() * bytes_per_value
-    kv = batch * context_len * config.kv_bytes_per_token(bytes_per_value)
-    return (weights + kv) / (bandwidth_gbps * 1e9) * 1e3
+    # chapter 12's floor in tokens/s is this step producing `batch` tokens
+    return batch / decode_floor_ref(config, batch, context_len, bandwidth_gbps, bytes_per_value) * 1e3
 
 
 def check_step_floor_ms(fn: Callable) -> bool:
