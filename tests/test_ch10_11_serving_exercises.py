@@ -38,7 +38,7 @@ class MyScheduler(SchedulerSkeleton):
             rid = queue.pop(0)
             need = self.request(rid).num_tokens
             while not self.allocator.can_reserve(rid, need):
-                victim = queue.pop() if queue else rid
+                victim = self.pick_victim(queue) if queue else rid
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim == rid:
@@ -47,27 +47,17 @@ class MyScheduler(SchedulerSkeleton):
                 self.allocator.reserve(rid, need)
                 scheduled.append(rid)
         return [self.decode_row(rid) for rid in scheduled], preempted
+
+    def pick_victim(self, queue):
+        """The newest running request not yet scheduled in this step."""
+        return queue.pop()
 
 
 class PreemptsTheOldest(MyScheduler):
     """The classic mistake: when memory runs out, evict the oldest other sequence, not the newest."""
 
-    def decode_running(self):
-        queue = list(self.running)
-        scheduled, preempted = [], []
-        while queue:
-            rid = queue.pop(0)
-            need = self.request(rid).num_tokens
-            while not self.allocator.can_reserve(rid, need):
-                victim = queue.pop(0) if queue else rid
-                self.preempt(victim)
-                preempted.append(victim)
-                if victim == rid:
-                    break
-            else:
-                self.allocator.reserve(rid, need)
-                scheduled.append(rid)
-        return [self.decode_row(rid) for rid in scheduled], preempted
+    def pick_victim(self, queue):
+        return queue.pop(0)
 
 
 class MyAllocator(PageAllocatorSkeleton):
