@@ -451,6 +451,7 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-requests", type=int, default=64, help="chunked-itl: requests decoding")
     ap.add_argument("--itl-prompt-len", type=int, default=256, help="chunked-itl: their prompt length")
     ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
+    ap.add_argument("--http-clients", type=int, default=4, help="serve-http: load-generator processes")
     args = ap.parse_args(argv)
     if args.hf and not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         print("error: --hf measures transformers in the same run, which needs torch and transformers: "

@@ -8,8 +8,9 @@ twice in one run:
    requests sent at once by this process as streaming /v1/completions calls over loopback.
 
 The record gives both output tokens/s, their ratio, and time to first token as the clients saw it
-(request sent -> first streamed chunk), p50 and p99. The server and the load generator are separate
-processes, as in production: the clients' JSON parsing does not compete with the engine loop.
+(request sent -> first streamed chunk), p50 and p99. The server (with its engine process) and the
+load generators (--http-clients processes, the requests dealt among them) are separate processes, as
+in production: the clients' JSON parsing competes neither with the server nor with the engine loop.
 """
 from __future__ import annotations
 
@@ -77,6 +78,27 @@ async def stream_all(url: str, prompts, max_tokens) -> tuple[float, list[float],
     return seconds, [r[0] for r in results if r[0] is not None], [r[1] for r in results]
 
 
+def client_share(url: str, prompts, max_tokens, start_at: float) -> tuple[float, float, list[float], list[int]]:
+    """One load-generator process: wait until the shared start time, send its share of the requests.
+    (wall-clock start, end, time to first text per request, tokens per request)."""
+    time.sleep(max(0.0, start_at - time.time()))
+    start = time.time()
+    _, ttft, tokens = asyncio.run(stream_all(url, prompts, max_tokens))
+    return start, time.time(), ttft, tokens
+
+
+def stream_from_processes(url: str, prompts, max_tokens, processes: int) -> tuple[float, list[float], list[int]]:
+    """stream_all() split over several client processes that start together: one Python process
+    parsing every server-sent event of a fast server would measure the client, not the server."""
+    import multiprocessing
+    shares = [(url, prompts[i::processes], max_tokens[i::processes]) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        start_at = time.time() + 3.0          # after every worker has started and imported httpx
+        results = pool.starmap(client_share, [(*share, start_at) for share in shares])
+    seconds = max(r[1] for r in results) - min(r[0] for r in results)
+    return seconds, [t for r in results for t in r[2]], [n for r in results for n in r[3]]
+
+
 def scenario_serve_http(args, setup, model_dir, backend) -> None:
     from engine.llm import LLM
     from engine.sampling import SamplingParams
@@ -109,7 +131,7 @@ def scenario_serve_http(args, setup, model_dir, backend) -> None:
     try:
         wait_healthy(url, proc, SERVER_START_TIMEOUT_S)
         asyncio.run(stream_all(url, [prompts[0][:16]], [4]))                  # warm-up (compile kernels)
-        http_s, ttft, tokens = asyncio.run(stream_all(url, prompts, outs))
+        http_s, ttft, tokens = stream_from_processes(url, prompts, outs, args.http_clients)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -117,6 +139,7 @@ def scenario_serve_http(args, setup, model_dir, backend) -> None:
         raise RuntimeError(f"the server generated {sum(tokens)} tokens, expected {useful}")
     generate_tps, http_tps = useful / generate_s, useful / http_s
     emit({**base, "mode": "continuous+paged", "kv_cache_mib": round(kv_mib, 1), "max_seqs": max_seqs,
+          "server": "engine process", "client_processes": args.http_clients,
           "generate_seconds": round(generate_s, 2), "generate_tok_per_s": round(generate_tps, 1),
           "http_seconds": round(http_s, 2), "http_tok_per_s": round(http_tps, 1),
           "http_vs_generate": round(http_tps / generate_tps, 3),

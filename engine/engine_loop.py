@@ -46,6 +46,26 @@ class StreamEvent:
     finish_reason: str | None     # "stop" | "length" | "cancelled" | None while running
 
 
+def wake_all(listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Wake the astream() readers of one step: one call into each event loop, not one per request.
+
+    call_soon_threadsafe writes to the loop's wake-up pipe; with hundreds of streaming requests, one
+    write per request per step would cost the engine thread more than the step's own bookkeeping."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for loop, event in listeners:
+        by_loop.setdefault(loop, []).append(event)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:      # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
 class BatchFailed(Exception):
     """A forward pass raised (the scheduler has already undone the step); __cause__ is the error."""
 
@@ -76,7 +96,8 @@ class RequestHandle:
         self._end: tuple[list[int], str | None, str] | None = None     # final event: tokens, text, reason
         self._output = None               # RequestOutput once finished
         self._error: BaseException | None = None
-        self._listeners: list = []        # callables run (on the engine thread) after each new event
+        self._accepted = True             # False until a remote engine (engine.engine_process) confirms it
+        self._listeners: list = []        # (event loop, asyncio.Event) of each astream() reader
         # Made from the above by consumers, under _events_lock:
         self._events_lock = threading.Lock()
         self._events: list[StreamEvent] = []
@@ -148,34 +169,54 @@ class RequestHandle:
 
     async def astream(self) -> AsyncIterator[StreamEvent]:
         """The same as stream(), for asyncio: waiting never blocks the event loop."""
-        loop = asyncio.get_running_loop()
+        async for events in self.astream_batches():
+            for event in events:
+                yield event
+
+    async def astream_batches(self) -> AsyncIterator[list[StreamEvent]]:
+        """astream() in batches: every event handed over since the last batch, at once.
+
+        A consumer that falls behind (an HTTP server writing to many clients) gets several tokens
+        per wake-up and can send them as one message, so it catches up instead of lagging further.
+        """
+        i = 0
+        while True:
+            await self._until(lambda seen=i: seen < self._available() or self.done)
+            new, error, done = self._read(i)
+            i += len(new)
+            if new:
+                yield new
+            if done:
+                if error is not None:
+                    raise error
+                return
+
+    async def accepted(self) -> None:
+        """Return once the engine has taken the request; ValueError if it refused it. An in-process
+        engine checks requests in submit() (this returns at once); an engine in another process
+        (engine.engine_process) checks them there, and answers a moment later."""
+        await self._until(lambda: self._accepted or self.done)
+        if not self._accepted and isinstance(self._error, ValueError):
+            raise self._error
+
+    async def _until(self, ready) -> None:
+        """Wait, without blocking the event loop, until ready() holds (checked under the handles' lock)."""
         wake = asyncio.Event()
-
-        def notify():
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:      # the event loop is closed: nobody is listening any more
-                pass
-
+        listener = (asyncio.get_running_loop(), wake)
         with self._cond:
-            self._listeners.append(notify)
+            if ready():
+                return
+            self._listeners.append(listener)
         try:
-            i = 0
             while True:
+                await wake.wait()
                 wake.clear()
-                new, error, done = self._read(i)
-                i += len(new)
-                for event in new:
-                    yield event
-                if done:
-                    if error is not None:
-                        raise error
-                    return
-                if not new:
-                    await wake.wait()
+                with self._cond:
+                    if ready():
+                        return
         finally:
             with self._cond:
-                self._listeners.remove(notify)
+                self._listeners.remove(listener)
 
     def result(self, timeout: float | None = None):
         """Block until the request ends; its RequestOutput, or the exception that failed it."""
@@ -443,8 +484,7 @@ class EngineLoop:
                 if handle._listeners:
                     listeners += handle._listeners
             self._handles_cv.notify_all()
-        for notify in listeners:
-            notify()
+        wake_all(listeners)
         self._finish(list(finished.values()), sampled_now=set(finished), at=t1, final_text=final_text)
 
     def _stop_text(self, request_id: int, tokens: list[int], final: bool) -> str:
@@ -491,8 +531,7 @@ class EngineLoop:
                 handle._end, handle._output = end, output
                 listeners += handle._listeners
             self._handles_cv.notify_all()
-        for notify in listeners:
-            notify()
+        wake_all(listeners)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
@@ -506,8 +545,7 @@ class EngineLoop:
             handle._error = error
             listeners = list(handle._listeners)
             self._handles_cv.notify_all()
-        for notify in listeners:
-            notify()
+        wake_all(listeners)
 
     def _fail_all(self, error: BaseException) -> None:
         for handle in list(self._handles.values()):

@@ -15,6 +15,10 @@ and streams tokens back. This module only translates: JSON in, SamplingParams an
 engine, events out as JSON or server-sent events (`data: {...}` lines, ending with `data: [DONE]`).
 A client that disconnects cancels its request, which frees its KV pages at once.
 
+`python -m engine.serve` runs the engine in a process of its own (engine/engine_process.py), so the
+HTTP side's Python work never competes with the engine loop for one interpreter lock; --in-process
+keeps both in one process (as ServerThread does for tests and notebooks).
+
 Errors are OpenAI's JSON object {"error": {"message", "type", "param", "code"}}: 400 for invalid
 values and prompts that cannot fit, 404 for an unknown model or path.
 """
@@ -95,8 +99,8 @@ class OpenAIServer:
             sampler.cancel()
 
     async def _sample_forever(self) -> None:
-        while True:
-            self.monitor.sample()
+        while True:      # stats() waits for a step boundary: never on the event loop's thread
+            await asyncio.to_thread(self.monitor.sample)
             await asyncio.sleep(SAMPLE_EVERY_S)
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -127,9 +131,11 @@ class OpenAIServer:
         except api.ProtocolError as exc:
             raise ApiError(400, str(exc), exc.param) from None
 
-    def _submit(self, prompt_ids: list[int], params, param: str):
+    async def _submit(self, prompt_ids: list[int], params, param: str):
         try:
-            return self.llm.submit(prompt_ids, params)
+            handle = self.llm.submit(prompt_ids, params)
+            await handle.accepted()   # an engine in its own process checks the request there
+            return handle
         except ValueError as exc:     # does not fit the context or the KV pool, bad token ids, ...
             raise ApiError(400, str(exc), param) from None
 
@@ -143,10 +149,11 @@ class OpenAIServer:
         watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         text, ids, reason = [], [], None
         try:
-            async for ev in handle.astream():
-                text.append(ev.text)
-                ids.extend(ev.token_ids)
-                reason = ev.finish_reason if ev.finished else reason
+            async for batch in handle.astream_batches():
+                for ev in batch:
+                    text.append(ev.text)
+                    ids.extend(ev.token_ids)
+                    reason = ev.finish_reason if ev.finished else reason
         finally:
             watcher.cancel()
             if reason is None:
@@ -154,19 +161,24 @@ class OpenAIServer:
         return "".join(text), ids, reason
 
     def _stream(self, request: Request, handle, first: list, piece, last, usage_chunk) -> StreamingResponse:
-        """SSE: the `first` chunks, one chunk per piece of new text, the finishing chunk, usage, [DONE]."""
+        """SSE: the `first` chunks, one chunk per piece of new text, the finishing chunk, usage, [DONE].
+
+        A piece is everything the engine handed over since this stream last woke: one token while the
+        server keeps up, several when it falls behind (then one message carries them all, so a busy
+        server sends fewer, larger events instead of falling further behind)."""
         async def events():
             watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
             reason, n_tokens = None, 0
             try:
                 for chunk in first:
                     yield sse(chunk)
-                async for ev in handle.astream():
-                    n_tokens += len(ev.token_ids)
-                    if ev.text or (ev.token_ids and not ev.finished):   # tokens without text yet: ""
-                        yield sse(piece(ev.text))
-                    if ev.finished:
-                        reason = ev.finish_reason
+                async for batch in handle.astream_batches():
+                    n_tokens += sum(len(ev.token_ids) for ev in batch)
+                    text = "".join(ev.text for ev in batch)
+                    if text or any(ev.token_ids and not ev.finished for ev in batch):   # tokens without text yet: ""
+                        yield sse(piece(text))
+                    if batch[-1].finished:
+                        reason = batch[-1].finish_reason
                 if reason in ("stop", "length"):
                     yield sse(last(reason))
                     if usage_chunk is not None:
@@ -191,7 +203,7 @@ class OpenAIServer:
             prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
         except ValueError as exc:    # a ProtocolError, or the template refusing the messages
             raise ApiError(400, str(exc), getattr(exc, "param", "messages")) from None
-        handle = self._submit(prompt_ids, params, "messages")
+        handle = await self._submit(prompt_ids, params, "messages")
         rid, created, n_prompt = api.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
             text, ids, reason = await self._collect(request, handle)
@@ -212,7 +224,7 @@ class OpenAIServer:
             raise ApiError(400, str(exc), exc.param) from None
         prompt_ids = self._need_tokenizer().encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
             else prompt
-        handle = self._submit(prompt_ids, params, "prompt")
+        handle = await self._submit(prompt_ids, params, "prompt")
         rid, created, n_prompt = api.new_id("cmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
             text, ids, reason = await self._collect(request, handle)
@@ -233,7 +245,7 @@ class OpenAIServer:
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def metrics(self, request: Request) -> Response:
-        self.monitor.sample()
+        await asyncio.to_thread(self.monitor.sample)
         return PlainTextResponse(self.monitor.prometheus(), media_type="text/plain; version=0.0.4")
 
     # ---- the dashboard -----------------------------------------------------------------------
@@ -309,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size (default: what fits)")
     ap.add_argument("--max-seqs", type=int, default=None, help="most sequences in one batch")
     ap.add_argument("--max-context", type=int, default=None, help="tokens one sequence may hold")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the engine in the server's own process (default: a process of its own, so "
+                         "HTTP and JSON work never holds the engine's interpreter lock)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log (info prints one line per request)")
     return ap
@@ -319,6 +334,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from engine.backend import BackendError
+    from engine.engine_process import EngineProcessError, RemoteLLM
     from engine.llm import LLM
     try:
         if args.model is None:
@@ -326,14 +342,19 @@ def main(argv=None) -> int:
             model_dir = ensure_default_model()
         else:
             model_dir = Path(args.model)
-        llm = LLM(model_dir, args.backend, kv_cache_mib=args.kv_cache_mib, max_seqs=args.max_seqs,
-                  max_context=args.max_context)
-    except (ValueError, BackendError, OSError) as exc:
+        options = {"kv_cache_mib": args.kv_cache_mib, "max_seqs": args.max_seqs, "max_context": args.max_context}
+        if args.in_process:
+            llm = LLM(model_dir, args.backend, **options)
+            where = llm.backend.describe()
+        else:
+            llm = RemoteLLM(model_dir, args.backend, **options)
+            where = llm.description + " (engine process)"
+    except (ValueError, BackendError, OSError, EngineProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or Path(model_dir).resolve().name
     shown = "localhost" if args.host in ("0.0.0.0", "::") else args.host
-    print(f"serving {name!r} on {llm.backend.describe().rstrip('.')}\n"
+    print(f"serving {name!r} on {where.rstrip('.')}\n"
           f"  OpenAI API: http://{shown}:{args.port}/v1   dashboard: http://{shown}:{args.port}/", flush=True)
     try:
         uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level)

@@ -14,6 +14,7 @@ from helpers.serve import MODEL_NAME, write_tiny_chat_model
 
 openai = pytest.importorskip("openai")
 
+from engine.engine_process import RemoteLLM  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.serve import ServerThread  # noqa: E402
@@ -22,16 +23,35 @@ GREEDY = {"temperature": 0.0}
 HELLO = [{"role": "user", "content": "Hello! Tell me about pages."}]
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    model_dir = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    # A small pool (64 pages of 16 tokens) so that the load test queues requests and recycles pages.
-    return LLM(model_dir, backend="numpy", kv_cache_mib=0.5, max_context=256, max_seqs=12)
+# A small pool (64 pages of 16 tokens) so that the load test queues requests and recycles pages.
+OPTIONS = {"kv_cache_mib": 0.5, "max_context": 256, "max_seqs": 12}
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    with ServerThread(llm, MODEL_NAME) as running:
+def model_dir(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    """The reference: LLM.generate in this process."""
+    return LLM(model_dir, backend="numpy", **OPTIONS)
+
+
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def served(request, llm, model_dir):
+    """The engine behind the server: the reference LLM itself, or the same model in an engine process
+    (what `python -m engine.serve` runs by default)."""
+    if request.param == "in-process":
+        yield llm
+        return
+    with RemoteLLM(model_dir, "numpy", **OPTIONS) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    with ServerThread(served, MODEL_NAME) as running:
         yield running
 
 
@@ -143,11 +163,11 @@ def test_invalid_values_are_400_with_an_error_object(client, kwargs, param):
     assert error["type"] == "invalid_request_error" and error["message"]
 
 
-def test_prompt_that_cannot_fit_is_400(client, llm):
+def test_prompt_that_cannot_fit_is_400(client, served):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt=[5] * 300, max_tokens=4)
     assert "context" in info.value.body["message"] and info.value.body["param"] == "prompt"
-    assert wait_idle(llm)["pages_used"] == 0
+    assert wait_idle(served)["pages_used"] == 0
 
 
 def test_unknown_model_is_404(client):
@@ -180,25 +200,25 @@ def test_health_and_metrics(server, client):
     assert 0 < values['engine_time_to_first_token_seconds{quantile="0.5"}'] < 60
 
 
-def test_disconnect_cancels_the_request(server, llm):
+def test_disconnect_cancels_the_request(server, served):
     body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["object"] == "text_completion"
-    stats = wait_idle(llm)
+    stats = wait_idle(served)
     assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
 
 
 # ---- load --------------------------------------------------------------------------------------
 
-def test_concurrent_streaming_clients(server, llm):
+def test_concurrent_streaming_clients(server, served, llm):
     """48 streaming clients at once, random lengths, every fourth one hangs up after two chunks."""
     rng = random.Random(0)
     words = "page cache token batch prefill decode queue stream".split()
     jobs = [(" ".join(rng.choices(words, k=rng.randint(1, 24))), rng.randint(1, 24), i % 4 == 3) for i in range(48)]
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    before = llm.stats()["tokens_generated"]
+    before = served.stats()["tokens_generated"]
 
     async def one(prompt, max_tokens, hang_up):
         stream = await aclient.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
@@ -222,11 +242,12 @@ def test_concurrent_streaming_clients(server, llm):
             await aclient.close()
 
     outputs = asyncio.run(everyone())
-    stats = wait_idle(llm)
+    stats = wait_idle(served)
     assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
     assert set(stats["page_owners"]) == {-1}
-    with llm._engine.lock:                          # the loop is at rest: read its allocator
-        llm._engine.scheduler.allocator.check_invariants()
+    if served is llm:
+        with llm._engine.lock:                      # the loop is at rest: read its allocator
+            llm._engine.scheduler.allocator.check_invariants()
     served = [(job, out) for job, out in zip(jobs, outputs, strict=True) if not job[2]]
     reference = llm.generate([p for (p, _, _), _ in served],
                              [SamplingParams(max_new_tokens=n, ignore_eos=True) for (_, n, _), _ in served])

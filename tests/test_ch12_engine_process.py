@@ -1,0 +1,90 @@
+"""engine.engine_process: the engine in a child process behind RemoteLLM (what `python -m engine.serve`
+runs). Same tokens as LLM.generate, refusals as ValueError, a dead engine fails its requests."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from helpers.serve import write_tiny_chat_model
+
+from engine.engine_process import EngineProcessError, RemoteLLM
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+
+OPTIONS = {"kv_cache_mib": 0.5, "max_context": 256, "max_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def remote(model_dir):
+    with RemoteLLM(model_dir, "numpy", **OPTIONS) as llm:
+        yield llm
+
+
+def test_streams_the_tokens_llm_generate_makes(remote, model_dir):
+    prompts = ["The KV cache", "Pages of sixteen tokens", "a"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 1)]
+    reference = LLM(model_dir, "numpy", **OPTIONS).generate(prompts, params)
+    handles = [remote.submit(p, sp) for p, sp in zip(prompts, params)]
+    for handle, ref in zip(handles, reference):
+        events = list(handle.stream())
+        assert [t for e in events for t in e.token_ids] == ref.token_ids
+        assert "".join(e.text for e in events) == ref.text
+        assert events[-1].finished and events[-1].finish_reason == "length"
+        out = handle.result(timeout=30)
+        assert (out.token_ids, out.text, out.prompt_token_ids) == (ref.token_ids, ref.text, ref.prompt_token_ids)
+
+
+def test_a_refused_request_raises_value_error_on_accepted(remote):
+    handle = remote.submit([5] * 300, SamplingParams(max_new_tokens=4))     # longer than max_context
+    with pytest.raises(ValueError, match="context"):
+        asyncio.run(handle.accepted())
+    assert handle.done
+    with pytest.raises(ValueError, match="context"):
+        handle.result(timeout=10)
+    ok = remote.submit([5, 6, 7], SamplingParams(max_new_tokens=2))
+    asyncio.run(ok.accepted())
+    assert len(ok.result(timeout=30).token_ids) == 2
+
+
+def test_cancel_frees_the_pages_in_the_engine_process(remote):
+    handle = remote.submit("a long answer", SamplingParams(max_new_tokens=200, ignore_eos=True))
+    next(iter(handle.stream()))
+    handle.cancel()
+    assert handle.result(timeout=30).finish_reason == "cancelled"
+    stats = remote.stats()
+    assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
+
+
+def test_astream_batches_cover_every_token(remote):
+    async def run():
+        handle = remote.submit("count with me", SamplingParams(max_new_tokens=30, ignore_eos=True))
+        await handle.accepted()
+        return [event async for batch in handle.astream_batches() for event in batch]
+    events = asyncio.run(run())
+    assert sum(len(e.token_ids) for e in events) == 30 and events[-1].finished
+
+
+def test_a_bad_model_directory_fails_at_start(tmp_path):
+    with pytest.raises((ValueError, EngineProcessError, OSError)):
+        RemoteLLM(tmp_path / "no-such-model", "numpy")
+
+
+def test_a_dead_engine_process_fails_its_requests(model_dir):
+    llm = RemoteLLM(model_dir, "numpy", **OPTIONS)
+    try:
+        handle = llm.submit("never ending", SamplingParams(max_new_tokens=200, ignore_eos=True))
+        next(iter(handle.stream()))
+        os.kill(llm._process.pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessError):
+            handle.result(timeout=30)
+        with pytest.raises((RuntimeError, EngineProcessError)):
+            llm.submit("after", SamplingParams(max_new_tokens=2))
+    finally:
+        llm.close()
