@@ -355,7 +355,8 @@ class Bench:
         cp = self.cp
         cases = [(4, 4, 64, [1, 17, 33, 100], 16, None), (32, 8, 64, [5, 300, 1000], 16, None),
                  (16, 2, 128, [64, 257], 16, 3), (8, 1, 32, [31, 16, 2], 7, None), (12, 3, 64, [500], 16, 5),
-                 (32, 8, 64, [2048] * 64, 16, None), (32, 8, 64, [2048] * 4, 16, None)]
+                 (32, 8, 64, [2048] * 64, 16, None), (32, 8, 64, [2048] * 4, 16, None),
+                 (32, 8, 64, [int(n) for n in np.random.default_rng(1).integers(100, 2049, 256)], 16, None)]  # a serving mix
         for Hq, Hkv, D, ctxs, BS, splits in cases:
             cfg, qkv, qkv_h, kc, kc_h, vc, vc_h, tables_h, seq_h, pos_h = self._paged_inputs(Hq, Hkv, D, ctxs, BS)
             S = len(ctxs)
@@ -514,7 +515,9 @@ def _attention_config(Hq, Hkv, D):
 
 
 def _short(ctxs):
-    return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 and len(ctxs) > 4 else str(ctxs)
+    if len(ctxs) <= 4:
+        return str(ctxs)
+    return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 else f"{min(ctxs)}..{max(ctxs)}x{len(ctxs)}"
 
 
 ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "flash", "paged", "sampling",

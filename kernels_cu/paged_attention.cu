@@ -165,32 +165,46 @@ paged_attention(const bf16* __restrict__ q, long long q_row_stride,        // [R
         for (int u = 0; u < UNROLL; ++u) {
             valid[u] = base + u * KPW + kg < k_end;
             kraw[u] = kv_smem[warp][it % STAGES][u][0][lane];
-            vraw[u] = kv_smem[warp][it % STAGES][u][1][lane];
+            vraw[u] = valid[u] ? kv_smem[warp][it % STAGES][u][1][lane] : make_uint4(0, 0, 0, 0);   // unwritten: any bits
         }
+        // The iteration's UNROLL keys are folded in at once: their scores first, then one rescale of
+        // the running state by the new maximum (one exp2 and 9 multiplies per query head per
+        // iteration instead of per key). A key past the end scores -inf and weighs exp2(-inf) = 0.
+        float kf[UNROLL][8], vf[UNROLL][8];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            float kf[8], vf[8];
-            unpack8(kraw[u], kf);
-            unpack8(vraw[u], vf);
+            unpack8(kraw[u], kf[u]);
+            unpack8(vraw[u], vf[u]);
+        }
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                float s = 0.0f;
+        for (int g = 0; g < GROUP; ++g) {
+            float s[UNROLL];
+            float m_new = st.m[g];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) s += qf[g][i] * (valid[u] ? kf[i] : 0.0f);
+            for (int u = 0; u < UNROLL; ++u) {
+                float dot = 0.0f;
 #pragma unroll
-                for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                if (valid[u]) {
-                    const float m_new = fmaxf(st.m[g], s);
-                    const float alpha = exp2f(st.m[g] - m_new), p = exp2f(s - m_new);
-                    st.l[g] = st.l[g] * alpha + p;
+                for (int i = 0; i < 8; ++i) dot += qf[g][i] * kf[u][i];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) st.acc[g][i] = st.acc[g][i] * alpha + p * vf[i];
-                    st.m[g] = m_new;
-                }
+                for (int off = LPK / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                s[u] = valid[u] ? dot : -INFINITY;
+                m_new = fmaxf(m_new, s[u]);
             }
+            if (m_new == -INFINITY) continue;        // no valid key seen yet (this lane's tail)
+            const float alpha = exp2f(st.m[g] - m_new);
+            st.l[g] *= alpha;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) st.acc[g][i] *= alpha;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const float p = exp2f(s[u] - m_new);
+                st.l[g] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) st.acc[g][i] += p * vf[u][i];
+            }
+            st.m[g] = m_new;
         }
     }
-
     cp_async_wait<0>();
 
     // Merge the KPW key groups of each warp: lanes with the same d0 combine through shuffles.
