@@ -140,6 +140,23 @@ def copy_bandwidth(backend: Backend) -> float:
     return 2 * n * 4 / best / 1e9
 
 
+def gemm_tflops(backend: Backend) -> float:
+    """Measured bf16 GEMM rate in TFLOP/s (cuBLAS, 8192^3, fp32 accumulation): the tensor cores'
+    practical peak, the ceiling for compute-bound steps (prefill). GPU only; best of five."""
+    xp, n = backend.xp, 8192
+    a = xp.asarray(f32_to_bf16(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)))
+    out = xp.empty((n, n), dtype=xp.uint16)
+    matmul(a, a, out, trans_b=True)                  # warm-up (cuBLAS picks its algorithm)
+    best = float("inf")
+    for _ in range(5):
+        backend.synchronize()
+        t = time.perf_counter()
+        matmul(a, a, out, trans_b=True)
+        backend.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e12
+
+
 def is_device_array(x) -> bool:
     """True for a CuPy array (without importing CuPy when it was never imported)."""
     return type(x).__module__.startswith("cupy")

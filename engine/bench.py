@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.backend import BACKENDS, copy_bandwidth, resolve_backend
+from engine.backend import BACKENDS, copy_bandwidth, gemm_tflops, resolve_backend
 from engine.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
@@ -217,7 +217,24 @@ def serve_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, outs
 
 
-def scenario_serve(args, setup, model_dir, backend, hf, oversubscribed: bool = False):
+def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops: float | None) -> float:
+    """A lower bound on a served workload's time: each step of its log at the hardware's limit.
+
+    A step reads every weight once and every row's context from the KV cache (bytes at copy
+    bandwidth), and multiplies its tokens by the weights (2 x parameters FLOPs per token, at the
+    measured GEMM rate; attention FLOPs left out): whichever takes longer. No host time, no launch
+    gaps, no kernel below the roofline: the engine's time over this is what it leaves on the table."""
+    weights = cfg.num_parameters() * bytes_per_value
+    per_token_kv = cfg.kv_bytes_per_token(bytes_per_value)
+    total = 0.0
+    for entry in log:
+        memory = (weights + entry["context_tokens"] * per_token_kv) / (copy_gbps * 1e9)
+        compute = 2 * cfg.num_parameters() * entry["tokens"] / (tflops * 1e12) if tflops else 0.0
+        total += max(memory, compute)
+    return total
+
+
+def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, oversubscribed: bool = False):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
     if oversubscribed:
@@ -229,6 +246,7 @@ def scenario_serve(args, setup, model_dir, backend, hf, oversubscribed: bool = F
     base = {**setup, "scenario": "serve-oversubscribed" if oversubscribed else "serve", "requests": args.requests,
             "len_range": [args.min_len, args.max_len], "output_tokens": useful}
     modes = args.serve_modes
+    tflops = gemm_tflops(backend) if backend.is_gpu else None
     if oversubscribed:
         modes = ["static+contiguous", "static+paged", "continuous+contiguous", "continuous+paged"]
         hf = None        # a padded batch of 1,024 rows is not a peer for a 128-seat server
@@ -244,11 +262,14 @@ def scenario_serve(args, setup, model_dir, backend, hf, oversubscribed: bool = F
         sec = time.perf_counter() - t
         assert sum(len(r.token_ids) for r in results) == useful
         log = llm.last_step_log
+        floor = step_floor_seconds(log, llm.config, 2 if backend.is_gpu else 4, ceiling_gbps, tflops)
         decode_rows = [s["rows"] for s in log if s["kind"] == "decode"]
         emit({**base, "mode": mode, "seconds": round(sec, 2), "output_tok_per_s": round(useful / sec, 1),
               "steps": len(log), "max_running": max(s["running"] for s in log),
               "mean_decode_rows": round(float(np.mean(decode_rows)), 1) if decode_rows else 0,
               "preemptions": sum(len(s["preempted"]) for s in log),
+              "floor_seconds": round(floor, 2), "floor_tok_per_s": round(useful / floor, 1),
+              "pct_of_floor": round(100 * floor / sec, 1), "gemm_tflops": tflops and round(tflops, 1),
               "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1), "max_seqs": llm.max_seqs,
               "cuda_graphs": llm.decode_graphs.enabled, "graph_replays": llm.decode_graphs.replays})
         del llm
@@ -502,9 +523,9 @@ def main(argv=None) -> int:
     if {"serve", "serve-oversubscribed"} & set(args.scenario):
         model = None                                   # serving loads its own model: free this one
     if "serve" in args.scenario:
-        scenario_serve(args, setup, model_dir, backend, hf)
+        scenario_serve(args, setup, model_dir, backend, hf, ceiling)
     if "serve-oversubscribed" in args.scenario:
-        scenario_serve(args, setup, model_dir, backend, hf, oversubscribed=True)
+        scenario_serve(args, setup, model_dir, backend, hf, ceiling, oversubscribed=True)
     if "serve-http" in args.scenario:
         from engine.bench_http import scenario_serve_http
         scenario_serve_http(args, setup, model_dir, backend)

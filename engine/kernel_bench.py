@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from engine.backend import bf16_to_f32, copy_bandwidth, f32_to_bf16, matmul, resolve_backend
+from engine.backend import bf16_to_f32, copy_bandwidth, f32_to_bf16, gemm_tflops, matmul, resolve_backend
 
 BF16_TOL = 1e-2      # bf16 operands (8 significant bits), fp32 accumulation
 F32_TOL = 1e-5
@@ -286,14 +286,7 @@ class Bench:
                     self.record("prefill_attention cuBLAS+softmax (before)", shape, 0.0, BF16_TOL, ms, flops=flops)
 
     def _gemm_tflops(self) -> float:
-        """The measured bf16 GEMM rate (cuBLAS, 8192^3, fp32 accumulation): the tensor cores' practical peak."""
-        if self.check_only:
-            return float("nan")
-        n = 8192
-        a, _ = self.bf16(n, n)
-        out = self.cp.empty((n, n), dtype=self.cp.uint16)
-        ms = self.time_ms(lambda: matmul(a, a, out, trans_b=True), reps=5)
-        return 2 * n ** 3 / (ms * 1e-3) / 1e12
+        return float("nan") if self.check_only else gemm_tflops(self.backend)
 
     def _flash_case(self, cfg, lens, prefix, page_size):
         """Device inputs of flash_attention for sequences of `lens` query tokens, each after `prefix`
