@@ -7,6 +7,11 @@ chapters show that file to learners without a GPU, labelled as a recorded run. E
 a solution fails its checker or a ladder kernel fails its reference check (nothing is written then).
 
     python -m engine.exercises.record_gpu [--out PATH] [--skip-ladder]
+
+Its companion `python -m engine.exercises.record_cells` records what every GPU cell of the chapter
+notebooks prints (engine/exercises/recorded/gpu_cells.json); record both on the same machine:
+
+    python -m engine.exercises.record_gpu && python -m engine.exercises.record_cells
 """
 from __future__ import annotations
 

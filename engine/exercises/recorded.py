@@ -1,9 +1,17 @@
 """What the GPU track prints on a real GPU, for learners reading the chapters on a CPU.
 
-`python -m engine.exercises.record_gpu` (on a CUDA machine) runs every worked solution through its
-checker and the kernel ladder of `engine.kernel_bench`, and stores both, with the device and the
-date, in engine/exercises/recorded/gpu_run.json. The chapters print from that file, labelled as a
-recorded run; nothing here is computed on the CPU.
+Two recordings, both made on a CUDA machine and both labelled as a recorded run (device, date) when
+shown; nothing here is computed on the CPU:
+
+  * `python -m engine.exercises.record_gpu` runs every worked solution through its checker and the
+    kernel ladder of `engine.kernel_bench` -> engine/exercises/recorded/gpu_run.json
+    (`show_recorded`, `show_ladder`: the CUDA exercise checkers and the ladder cells);
+  * `python -m engine.exercises.record_cells` runs the chapter notebooks and keeps what every GPU
+    cell printed -> engine/exercises/recorded/gpu_cells.json (`show_recorded_cell`: the skip branch
+    of each GPU cell, `show_recorded_cell("03_embedding/gather-kernel", backend.reason)`).
+
+Record both on the same machine:
+    python -m engine.exercises.record_gpu && python -m engine.exercises.record_cells
 """
 from __future__ import annotations
 
@@ -12,6 +20,8 @@ from pathlib import Path
 
 RECORDED = Path(__file__).resolve().parent / "recorded" / "gpu_run.json"
 HOW = "python -m engine.exercises.record_gpu (on a CUDA GPU) records one"
+RECORDED_CELLS = Path(__file__).resolve().parent / "recorded" / "gpu_cells.json"
+HOW_CELLS = "python -m engine.exercises.record_cells (on a CUDA GPU) records it"
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -53,3 +63,34 @@ def show_ladder(stage: str, path: Path | None = None) -> None:
     for r in rows:
         print(f"  {r['kernel']:<52} {r['shape']:<44} {r['ms']:>8.4f} {r['gbps']:>7,.0f} {r['pct_of_copy']:>6.1f} "
               f"{'ok' if r['ok'] else 'FAIL':>6}")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def show_recorded_cell(key: str, reason: str | None = None, path: Path | None = None) -> None:
+    """The skip branch of a chapter's GPU cell: say why this machine skipped it, then print what the
+    same cell printed on a GPU (recorded by `python -m engine.exercises.record_cells`), each line
+    prefixed with '    | '. `reason` defaults to `cupy_unavailable_reason()`."""
+    if reason is None:
+        from engine.backend import cupy_unavailable_reason
+        reason = cupy_unavailable_reason() or "the NumPy backend was chosen"
+    reason = reason.rstrip(".")
+    path = path or RECORDED_CELLS
+    run = load(path)
+    cell = (run or {}).get("cells", {}).get(key)
+    if cell is None or not cell.get("output"):
+        print(f"GPU cell skipped here: {reason}. No recorded GPU output for {key!r} in {path.name} yet: {HOW_CELLS}.")
+        return
+    device, date = cell.get("device") or run.get("device", "?"), cell.get("date") or run.get("date", "?")
+    model = cell.get("model") or run.get("model")
+    what = f"{device}, {date}" + (f", default model {model}" if model else "")
+    solutions = cell.get("solutions") or []
+    if solutions:
+        what += ", with the worked solution " + " and ".join(f"kernels_cu/exercises/solutions/{s}.cu" for s in solutions)
+    if cell.get("figures"):
+        what += f" (text only: its {_plural(cell['figures'], 'figure')} not kept)"
+    print(f"GPU cell skipped here: {reason}. What it printed in a recorded run on {what}:")
+    for line in cell["output"].rstrip().splitlines():
+        print(f"    | {line}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check, stage by stage (run on the GPU machine from the repository root):
 # environment, every GPU test (kernels against their references, the model against NumPy, serving
-# paths, plug-ins, exercises), compute-sanitizer, the recorded GPU-track run, and the benchmarks.
+# paths, plug-ins, exercises), compute-sanitizer, the recorded GPU-track run (the checkers and every
+# GPU cell of the chapters), and the benchmarks.
 # Results land in $OUT (default ./gpu-out). Pick stages with STAGES="pytest sanitize ...". A machine
 # without network needs ENGINE_MODEL_DIR set to a converted default model (python -m engine.gguf_convert).
 set -uo pipefail
@@ -19,7 +20,8 @@ for s in $STAGES; do
     sanitize) $S --tool memcheck python3 -m engine.kernel_bench --check-only --quick 2>&1 | tail -3 | tee "$OUT/memcheck.txt"
               $S --tool racecheck python3 -m engine.kernel_bench --check-only --quick --only rmsnorm argmax sampling paged ladder 2>&1 | tail -3 | tee "$OUT/racecheck.txt"
               $S --tool racecheck python3 -m pytest -q -m gpu tests/test_ch13_flash_attention.py -k "kernel and not model" 2>&1 | tail -3 | tee -a "$OUT/racecheck.txt" ;;
-    record) python3 -m engine.exercises.record_gpu --out "$OUT/gpu_run.json" 2>&1 | tail -3 ;;   # -> engine/exercises/recorded/
+    record) python3 -m engine.exercises.record_gpu --out "$OUT/gpu_run.json" 2>&1 | tail -3    # -> engine/exercises/recorded/
+            python3 -m engine.exercises.record_cells --out "$OUT/gpu_cells.json" 2>&1 | tee "$OUT/record_cells.txt" | tail -40 ;;
     model1b) [ -f "$M/model.safetensors" ] || python3 -m engine.random_model llama-3.2-1b "$M" ;;
     prefill) $B --scenario parity prefill decode --prompt-len 2048 --new-tokens 256 --hf 2>&1 | grep '^{' | tee -a "$OUT/bench.jsonl" ;;
     decode) $B --scenario decode --prompt-len 128 --new-tokens 256 2>&1 | grep '^{' | tee -a "$OUT/bench.jsonl" ;;
