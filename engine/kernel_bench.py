@@ -7,8 +7,10 @@ same bf16-rounded inputs, then CUDA-event timing after warm-up (median of many r
 achieved bandwidth next to the device's measured copy bandwidth. Prints a table, writes JSON lines.
 The `ladder` case times each version of a stage that keeps its first, naive kernel beside the fast
 one (RMSNorm, the prefill softmax, paged attention), checked the same way: the chapters show it.
+The `gemv` group puts the decode GEMV (kernels_cu/gemv.cu) beside cuBLAS on the decode projections
+(1..8 rows), both timed from CUDA graphs that cycle over copies of W (no launch gaps, no L2 hits).
 
-    python -m engine.kernel_bench [--json out.jsonl] [--quick] [--check-only]
+    python -m engine.kernel_bench [--json out.jsonl] [--quick] [--check-only] [--only GROUP ...]
 
 --check-only runs every check once and times nothing: the mode for `compute-sanitizer`, which
 slows each launch down by orders of magnitude.
@@ -97,6 +99,39 @@ class Bench:
             end.record()
             end.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, end) / reps)
+        return float(np.median(times))
+
+    def graph_time_ms(self, fns, repeat: int = 1) -> float | None:
+        """Median GPU time per call of `fns` (graph-capturable calls: no allocation, no host sync),
+        replayed from one CUDA graph of `repeat` passes over the list (None with --check-only).
+
+        What a decode step's graph sees: no host launch gaps between kernels, so a few-microsecond
+        kernel is timed as itself (back-to-back launches from Python would time the host instead).
+        """
+        if self.check_only:
+            return None
+        cp = self.cp
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            for fn in fns:
+                fn()                          # warm-up outside the capture (compiles, cuBLAS picks its kernel)
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                for _ in range(repeat):
+                    for fn in fns:
+                        fn()
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            times = []
+            for _ in range(5):
+                start.record(stream)
+                graph.launch(stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, end) / (repeat * len(fns)))
         return float(np.median(times))
 
     def record(self, kernel, shape, err, tol, ms=None, nbytes=None, flops=None, note="", ladder=None):
@@ -195,6 +230,54 @@ class Bench:
             out16 = self.cp.full((M, N), 0xFFFF, dtype=self.cp.uint16)
             matmul(x, w, out16, trans_b=True)
             self.record("gemmEx bf16->bf16", f"M={M} N={N} K={K}", rel_err(bf16_to_f32(out16.get()), ref), BF16_TOL / 2)
+
+    # Decode projections: (name, N, K). Llama-3.2-1B and SmolLM2-135M, then the tiny test models'
+    # odd sizes (K not a multiple of 32; K % 8 != 0 takes the element-load kernel).
+    GEMV_SHAPES = [("llama-1b qkv", 3072, 2048), ("llama-1b o", 2048, 2048), ("llama-1b gate_up", 16384, 2048),
+                   ("llama-1b down", 2048, 8192), ("llama-1b lm_head", 128256, 2048),
+                   ("smollm2 qkv", 960, 576), ("smollm2 o", 576, 576), ("smollm2 gate_up", 3072, 576),
+                   ("smollm2 down", 576, 1536), ("smollm2 lm_head", 49152, 576),
+                   ("tiny qkv", 160, 72), ("tiny down", 72, 136), ("tiny lm_head", 397, 72), ("odd K", 241, 50)]
+    GEMV_FLUSH_BYTES = 256 * 2**20    # distinct copies of W per timed pass: >> the 60 MB L2 of an H200
+
+    def gemv(self):
+        """Decode projections (T = 1, 2, 4, 8 rows) through kernels_cu/gemv.cu and through cuBLAS
+        (backend.matmul) in the same run, both checked against a float64 reference (outputs poisoned)
+        and timed from a CUDA graph cycling over copies of W (a decode step reads every weight once,
+        never from L2). GB/s counts W + x + out; the floor is reading W at copy bandwidth."""
+        from engine.ops.gemv import GEMV_MAX_ROWS, gemv, tensor_cores_usable
+        cp = self.cp
+        usable = tensor_cores_usable(cp.cuda.Device().id)
+        if not usable:
+            print("gemv: kernels_cu/gemv.cu needs sm_80+ (bf16 mma.sync); timing cuBLAS only", file=sys.stderr)
+        for name, N, K in self.GEMV_SHAPES:
+            w, w_h = self.bf16(N, K, scale=K ** -0.5)
+            x8, x8_h = self.bf16(GEMV_MAX_ROWS, K)
+            ref8 = _linear_ref64(x8_h, w_h)
+            copies = [w]
+            if not self.check_only:            # distinct addresses, same values: every pass reads HBM
+                copies += [w.copy() for _ in range(min(511, -(-self.GEMV_FLUSH_BYTES // (2 * N * K)) - 1))]
+            l2_note = "W copies fit in L2: not an HBM figure" if len(copies) * 2 * N * K < 128 * 2**20 else ""
+            repeat = -(-8 // len(copies))      # at least 8 calls per replay
+            for T in (1, 2, 4, 8):
+                x, ref = x8[:T], ref8[:T]
+                shape = f"{name} N={N} K={K} T={T}"
+                nbytes = 2 * N * K + 2 * T * K + 4 * T * N
+                out_cublas = cp.full((T, N), np.nan, dtype=cp.float32)
+                matmul(x, w, out_cublas, trans_b=True)
+                ms_cublas = self.graph_time_ms([lambda c=c: matmul(x, c, out_cublas, trans_b=True) for c in copies],
+                                               repeat)
+                self.record("gemmEx (cuBLAS) decode", shape, rel_err(out_cublas.get(), ref), 1e-5, ms_cublas, nbytes,
+                            note=l2_note)
+                if not usable:
+                    continue
+                with self.poisoned():
+                    out = gemv(x, w)
+                ms = self.graph_time_ms([lambda c=c: gemv(x, c, out) for c in copies], repeat)
+                speed = f"{ms_cublas / ms:.2f}x cuBLAS" if ms and ms_cublas else ""
+                self.record("gemv_bf16 decode", shape, rel_err(out.get(), ref), 1e-5, ms, nbytes,
+                            note="; ".join(n for n in (speed, l2_note) if n))
+            del copies
 
     def swiglu(self):
         from engine.ops.mlp import swiglu, swiglu_ref
@@ -500,6 +583,12 @@ class Bench:
             getattr(self, name)()
 
 
+def _linear_ref64(x, w, rows: int = 16384):
+    """x [T, K] @ w[N, K]^T in float64, w converted a slice of rows at a time (lm_head: 2 GB at once)."""
+    x64 = x.astype(np.float64)
+    return np.concatenate([x64 @ w[i:i + rows].astype(np.float64).T for i in range(0, len(w), rows)], axis=1)
+
+
 def _attention_config(Hq, Hkv, D):
     from engine.config import config_from_dict
     return config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D, "intermediate_size": 8,
@@ -513,8 +602,8 @@ def _short(ctxs):
     return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 else f"{min(ctxs)}..{max(ctxs)}x{len(ctxs)}"
 
 
-ALL = ["embedding", "rmsnorm", "rope", "linear", "swiglu", "argmax", "prefill_attention", "flash", "paged", "sampling",
-       "ladder"]
+ALL = ["embedding", "rmsnorm", "rope", "linear", "gemv", "swiglu", "argmax", "prefill_attention", "flash", "paged",
+       "sampling", "ladder"]
 
 
 def main(argv=None) -> int:

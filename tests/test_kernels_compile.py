@@ -2,7 +2,8 @@
 
 With NVRTC (the compiler CuPy uses at run time) when libnvrtc and the CUDA headers are found: NVRTC
 has no host headers, so this catches what nvcc would forgive. Otherwise with `nvcc -ptx`.
-The paged-attention and flash-attention kernels are compiled for every variant the engine specializes them for.
+The paged-attention and flash-attention kernels are compiled for every variant the engine specializes them for;
+the others with the launch constants their launchers pass.
 """
 import ctypes
 import ctypes.util
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import sampling
-from engine.ops import argmax, flash_attention, paged_attention
+from engine.ops import argmax, flash_attention, gemv, paged_attention
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 # the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions
@@ -29,6 +30,7 @@ VARIANTS = {
                             "PAGED": p} for d in flash_attention.KERNEL_HEAD_DIMS for p in (0, 1)],
     "argmax.cu": [{"THREADS": argmax.THREADS}],
     "sampling.cu": [{"THREADS": sampling.SAMPLE_THREADS}],
+    "gemv.cu": [{"GEMV_MAX_ROWS": gemv.GEMV_MAX_ROWS, "NWARPS": gemv.NWARPS}],
 }
 
 
@@ -79,8 +81,8 @@ def nvrtc_compile(source: Path, defines: dict, arch: int) -> str:
 
 
 # sm_90 (H100/H200, where it is measured) and sm_75 (a T4, the GPU many learners get for free);
-# flash_attention's tensor-core path also at sm_80, the oldest GPU that runs it (A100).
-ARCHS = {"flash_attention.cu": (90, 80, 75)}
+# the tensor-core kernels (flash_attention, gemv) also at sm_80, the oldest GPU that runs them (A100).
+ARCHS = {"flash_attention.cu": (90, 80, 75), "gemv.cu": (90, 80, 75)}
 CASES = [(s, d, a) for s in SOURCES for d in VARIANTS.get(s.name, [{}]) for a in ARCHS.get(s.name, (90, 75))]
 
 
