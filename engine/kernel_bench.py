@@ -259,6 +259,7 @@ class Bench:
                 copies += [w.copy() for _ in range(min(511, -(-self.GEMV_FLUSH_BYTES // (2 * N * K)) - 1))]
             l2_note = "W copies fit in L2: not an HBM figure" if len(copies) * 2 * N * K < 128 * 2**20 else ""
             repeat = -(-8 // len(copies))      # at least 8 calls per replay
+            tol = _fp32_acc_tol(K)
             for T in (1, 2, 4, 8):
                 x, ref = x8[:T], ref8[:T]
                 shape = f"{name} N={N} K={K} T={T}"
@@ -267,7 +268,7 @@ class Bench:
                 matmul(x, w, out_cublas, trans_b=True)
                 ms_cublas = self.graph_time_ms([lambda c=c: matmul(x, c, out_cublas, trans_b=True) for c in copies],
                                                repeat)
-                self.record("gemmEx (cuBLAS) decode", shape, rel_err(out_cublas.get(), ref), 1e-5, ms_cublas, nbytes,
+                self.record("gemmEx (cuBLAS) decode", shape, rel_err(out_cublas.get(), ref), tol, ms_cublas, nbytes,
                             note=l2_note)
                 if not usable:
                     continue
@@ -275,7 +276,7 @@ class Bench:
                     out = gemv(x, w)
                 ms = self.graph_time_ms([lambda c=c: gemv(x, c, out) for c in copies], repeat)
                 speed = f"{ms_cublas / ms:.2f}x cuBLAS" if ms and ms_cublas else ""
-                self.record("gemv_bf16 decode", shape, rel_err(out.get(), ref), 1e-5, ms, nbytes,
+                self.record("gemv_bf16 decode", shape, rel_err(out.get(), ref), tol, ms, nbytes,
                             note="; ".join(n for n in (speed, l2_note) if n))
             del copies
 
@@ -581,6 +582,13 @@ class Bench:
     def run(self, which):
         for name in which:
             getattr(self, name)()
+
+
+def _fp32_acc_tol(K: int) -> float:
+    """Relative error bound of an fp32-accumulated product of bf16-exact operands over K terms: the
+    linear group's 1e-5 up to K = 2048, growing with K beyond (the tensor cores' fp32 accumulation
+    truncates at each step; cuBLAS's own error is ~2e-6 at K = 2048 on the H200)."""
+    return 1e-5 * max(1.0, K / 2048)
 
 
 def _linear_ref64(x, w, rows: int = 16384):

@@ -28,7 +28,10 @@ def _why_skip():
 SKIP = _why_skip()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=str(SKIP))]
 
-TOL = 1e-5        # bf16 operands (exact in fp32), fp32 accumulation, against float64
+def tol(K):
+    """bf16 operands (exact in fp32), fp32 accumulation, against float64: kernel_bench's bound."""
+    from engine.kernel_bench import _fp32_acc_tol
+    return _fp32_acc_tol(K)
 
 
 def bf16(rng, *shape, scale=1.0):
@@ -68,7 +71,7 @@ def test_gemv_matches_the_reference_for_every_row_count(N, K):
     for T in range(1, GEMV_MAX_ROWS + 1):
         out = cp.full((T, N), np.nan, dtype=cp.float32)              # poisoned: unwritten stays NaN
         assert gemv(x[:T], w, out) is out
-        assert rel(out.get(), ref[:T]) <= TOL, f"T={T}"
+        assert rel(out.get(), ref[:T]) <= tol(K), f"T={T}"
         fresh = gemv(x[:T], w)
         assert fresh.shape == (T, N) and fresh.dtype == cp.float32
         np.testing.assert_array_equal(fresh.get(), out.get())
@@ -97,7 +100,7 @@ def test_strided_and_unaligned_views(K):
         gemv(x, w, big[:, 2:N + 2])
         got = big.get()
         assert np.isnan(got[:, :2]).all() and np.isnan(got[:, N + 2:]).all(), f"{name}: wrote outside out"
-        assert rel(got[:, 2:N + 2], ref64(x_h, w_h)) <= TOL, name
+        assert rel(got[:, 2:N + 2], ref64(x_h, w_h)) <= tol(K), name
 
 
 def test_a_row_does_not_depend_on_the_others():
@@ -151,7 +154,7 @@ def test_linear_switch_routes_decode_rows_to_the_gemv(monkeypatch):
             x, x_h = bf16(rng, T, 136)
             out = linear_mod.linear(x, w)
             assert isinstance(out, cp.ndarray) and out.dtype == cp.float32 and out.shape == (T, 300)
-            assert rel(out.get(), ref64(x_h, w_h)) <= TOL
+            assert rel(out.get(), ref64(x_h, w_h)) <= tol(136)
         assert calls == ([1, 8] if use else [])
 
 
@@ -176,7 +179,7 @@ def test_gemv_replays_from_a_cuda_graph():
         cp.cuda.Device().synchronize()
         graph.launch(stream)
         stream.synchronize()
-        assert rel(out.get(), ref64(x2_h, w_h)) <= TOL
+        assert rel(out.get(), ref64(x2_h, w_h)) <= tol(2048)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2-mqa-untied"])
