@@ -283,3 +283,11 @@ def test_only_picks_notebooks_by_name_and_rejects_one_without_gpu_cells():
     assert record_cells._chosen(found, None) == found
     with pytest.raises(SystemExit, match="02_tokenizer"):
         record_cells._chosen(found, ["02_tokenizer"])
+
+
+def test_the_recorder_stops_after_the_last_cell_it_records(tmp_path):
+    path = _notebook(tmp_path, ("code", "print(1)"), ("code", "if False:\n    pass\nelse:\n    show_recorded_cell = print\n"
+                                                       "    show_recorded_cell('k')"), ("code", "raise RuntimeError"))
+    assert [r.output for r in execute_notebook(path, last_keyed=True)] == ["1\n", "k\n"]
+    with pytest.raises(CellError):
+        execute_notebook(path)

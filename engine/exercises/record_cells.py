@@ -4,12 +4,12 @@ A chapter's GPU cell branches on the backend; on a CPU its skip branch calls
 `show_recorded_cell("03_embedding/gather-kernel", backend.reason)`, which prints what the same cell
 printed on a GPU. This command makes that recording. On a CUDA machine, without Jupyter, it runs
 each chapter notebook that has such a cell (chapters/*.ipynb, not the solutions copies): the code
-cells in order, as Python, in one fresh namespace per notebook, in a subprocess with cwd = chapters/
-and MPLBACKEND=Agg, capturing each cell's stdout (and, as Jupyter shows it, the repr of a final bare
-expression, unless the cell ends with `;`). The stdout of every cell that names a key is stored under
-that key, with the device, the date, the default model and the CuPy/CUDA versions, in
-engine/exercises/recorded/gpu_cells.json. Plots are not kept: the entry counts the figures a cell
-drew, and the recorded banner says that the text only was kept.
+cells in order up to its last GPU cell, as Python, in one fresh namespace per notebook, in a
+subprocess with cwd = chapters/ and MPLBACKEND=Agg, capturing each cell's stdout (and, as Jupyter
+shows it, the repr of a final bare expression, unless the cell ends with `;`). The stdout of every
+cell that names a key is stored under that key, with the device, the date, the default model and
+the CuPy/CUDA versions, in engine/exercises/recorded/gpu_cells.json. Plots are not kept: the entry
+counts the figures a cell drew, and the recorded banner says that the text only was kept.
 
 The notebooks run in a temporary copy of the repository in which every CUDA exercise
 kernels_cu/exercises/<name>.cu is replaced by its worked solution kernels_cu/exercises/solutions/<name>.cu,
@@ -172,10 +172,16 @@ def execute_cells(cells: list[tuple[int, str, str]], name: str = "notebook", nam
     return runs
 
 
-def execute_notebook(path: Path, on_cell=None) -> list[CellRun]:
-    """Run a notebook's code cells in this process (cwd unchanged), in a fresh namespace."""
+def execute_notebook(path: Path, on_cell=None, last_keyed: bool = False) -> list[CellRun]:
+    """Run a notebook's code cells in this process (cwd unchanged), in a fresh namespace; with
+    `last_keyed`, only up to the last cell that names a show_recorded_cell key (what comes after it
+    cannot change what it printed)."""
     path = Path(path)
-    return execute_cells(code_cells(json.loads(path.read_text(encoding="utf-8"))), path.name, on_cell=on_cell)
+    cells = code_cells(json.loads(path.read_text(encoding="utf-8")))
+    if last_keyed:
+        keyed = [k for k, (_, _, src) in enumerate(cells) if cell_keys(src)]
+        cells = cells[:keyed[-1] + 1] if keyed else []
+    return execute_cells(cells, path.name, on_cell=on_cell)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +254,7 @@ def _child(notebook: str, result: Path) -> int:
             print(f"  {notebook} cell {run.index:3d} {run.seconds:7.1f} s  {' '.join(keys)}", file=sys.stderr, flush=True)
 
     try:
-        runs = execute_notebook(Path(notebook), on_cell=progress)
+        runs = execute_notebook(Path(notebook), on_cell=progress, last_keyed=True)
     except CellError as e:
         result.write_text(json.dumps({"error": {"index": e.index, "id": e.cell_id, "traceback": e.traceback}}))
         return 1
