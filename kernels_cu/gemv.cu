@@ -50,19 +50,20 @@
 // Two entry points, the same layout: gemv_bf16 (16-byte loads: K % 8 == 0, rows of x and W
 // 16-byte aligned) and gemv_bf16_unaligned (element loads, any K and alignment: the tiny test
 // models, views). Compile-time constants, set by engine/ops/gemv.py (its one source):
-// GEMV_MAX_ROWS (rows of x, at most the mma's 8) and NWARPS (most warps per block).
+// GEMV_MAX_ROWS (rows of x, at most the mma's 8), NWARPS (most warps per block) and UNROLL
+// (k-blocks per main-loop step: 3 UNROLL 16-byte loads in flight per thread).
 // bf16 mma.sync needs sm_80+; engine/ops/linear.py keeps cuBLAS on older GPUs.
 #include "common.cuh"
 
-#if !defined(GEMV_MAX_ROWS) || !defined(NWARPS)
-#error "GEMV_MAX_ROWS and NWARPS are set together by engine/ops/gemv.py"
+#if !defined(GEMV_MAX_ROWS) || !defined(NWARPS) || !defined(UNROLL)
+#error "GEMV_MAX_ROWS, NWARPS and UNROLL are set together by engine/ops/gemv.py"
 #endif
 static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "GEMV_MAX_ROWS: 1..8 (x rows are the n = 8 of mma.m16n8k16)");
 static_assert(NWARPS >= 1 && NWARPS <= 32, "NWARPS: 1..32 warps per block");
+static_assert(UNROLL >= 1 && UNROLL <= 8, "UNROLL: 1..8 k-blocks per main-loop step");
 
 #define TILE_N 16     // output columns per block (rows of W): the M of mma.m16n8k16
 #define KBLOCK 32     // k per warp step: 8 bf16 per lane x 4 lanes, two mmas of k = 16
-#define UNROLL 4      // k-blocks loaded before the first mma (loads in flight per thread: 2 UNROLL of W)
 // Registers for 32 resident warps per SM (64 per thread). With this minimum stated, ptxas schedules
 // for memory-level parallelism: all 3 UNROLL loads of a step are issued before its first mma. Left
 // to itself it squeezes registers and interleaves loads and mmas (a few loads in flight at a time).

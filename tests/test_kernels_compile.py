@@ -30,7 +30,7 @@ VARIANTS = {
                             "PAGED": p} for d in flash_attention.KERNEL_HEAD_DIMS for p in (0, 1)],
     "argmax.cu": [{"THREADS": argmax.THREADS}],
     "sampling.cu": [{"THREADS": sampling.SAMPLE_THREADS}],
-    "gemv.cu": [{"GEMV_MAX_ROWS": gemv.GEMV_MAX_ROWS, "NWARPS": gemv.NWARPS}],
+    "gemv.cu": [{"GEMV_MAX_ROWS": gemv.GEMV_MAX_ROWS, "NWARPS": gemv.NWARPS, "UNROLL": gemv.UNROLL}],
 }
 
 

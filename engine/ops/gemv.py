@@ -22,11 +22,11 @@ from engine.backend import load_kernel, sm_count
 # The kernel's launch constants (passed to it as -D defines; this module is their one source).
 GEMV_MAX_ROWS = 8     # rows of x per launch: the n = 8 of mma.m16n8k16
 NWARPS = 16           # most warps per block (the block's warps split K); sizes the launch bounds
+UNROLL = 4            # k-blocks per main-loop step: 3 UNROLL 16-byte loads in flight per thread
 # Fixed by the kernel's layout (kernels_cu/gemv.cu), used here to size the grid:
 TILE_N = 16           # output columns per block (16 rows of W: the M of the mma)
-KBLOCK = 32           # k per warp per step
-UNROLL = 4            # k-blocks per main-loop step
-WARPS_PER_SM = 32     # resident warps the kernel's registers allow per SM (64 registers each)
+KBLOCK = 32           # k per warp per main-loop k-block
+WARPS_PER_SM = 32     # resident warps the kernel's launch bounds leave registers for (64 each)
 
 
 class GemvInputError(ValueError):
@@ -95,7 +95,7 @@ def gemv(x, w, out=None):
                and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0)
     blocks, warps = launch_geometry(N, K, sm_count(device))
     kernel = load_kernel("gemv", "gemv_bf16" if aligned else "gemv_bf16_unaligned",
-                         GEMV_MAX_ROWS=GEMV_MAX_ROWS, NWARPS=NWARPS)
+                         GEMV_MAX_ROWS=GEMV_MAX_ROWS, NWARPS=NWARPS, UNROLL=UNROLL)
     kernel((blocks,), (32 * warps,),
            (x, np.int64(ldx), w, np.int64(ldw), out, np.int64(ldo), np.int32(T), np.int32(N), np.int32(K)),
            shared_mem=0 if warps == 1 else 32 * 16 * warps)       # one float4 per thread of warps 1..
