@@ -156,6 +156,11 @@ def test_linear_switch_routes_decode_rows_to_the_gemv(monkeypatch):
             assert isinstance(out, cp.ndarray) and out.dtype == cp.float32 and out.shape == (T, 300)
             assert rel(out.get(), ref64(x_h, w_h)) <= tol(136)
         assert calls == ([1, 8] if use else [])
+    monkeypatch.setattr(linear_mod, "USE_GEMV", True)                    # a weight above the size limit: cuBLAS
+    monkeypatch.setattr(linear_mod, "GEMV_MAX_WEIGHT_ELEMENTS", w.size - 1)
+    calls.clear()
+    x, x_h = bf16(rng, 1, 136)
+    assert rel(linear_mod.linear(x, w).get(), ref64(x_h, w_h)) <= tol(136) and calls == []
 
 
 def test_gemv_replays_from_a_cuda_graph():

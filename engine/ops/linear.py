@@ -7,9 +7,11 @@ gate/up are fused into one weight each at load time, so each is a single GEMM.
 Chapter 14: a decode step's projections have 1..8 rows, where the time is reading W and cuBLAS
 leaves bandwidth unused. Those go to the GEMV kernel (engine/ops/gemv.py, kernels_cu/gemv.cu) when
 `USE_GEMV` is on (sm_80+ only; cuBLAS otherwise). It is on by default; ENGINE_GEMV=0 in the
-environment turns it off, to compare the two. Which one is the default is decided by measurement on
-the H200 (`python -m engine.kernel_bench --only gemv` times both on the decode shapes): the GEMV
-stays on only where it beats cuBLAS.
+environment turns it off, to compare the two. Measured on the H200 (`python -m engine.kernel_bench
+--only gemv`, Llama-3.2-1B shapes, 1..8 rows): the GEMV beats cuBLAS on the matrices of up to
+~17 M elements (qkv 54 vs 45% of copy bandwidth, o 44 vs 33%, down 66 vs 58%), where cuBLAS's
+decode kernels are launch- and tail-bound, and loses on the large ones (gate_up 83 vs 87%, lm_head
+92 vs 102%), where cuBLAS streams at copy speed. So only W up to GEMV_MAX_WEIGHT_ELEMENTS goes there.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from engine.backend import is_device_array, matmul
 from engine.ops import gemv as _gemv
 
 ENV_SWITCH = "ENGINE_GEMV"      # "0" sends every projection to cuBLAS
+GEMV_MAX_WEIGHT_ELEMENTS = 24 * 2**20   # larger weights stream faster through cuBLAS (measured above)
 USE_GEMV = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
@@ -31,10 +34,11 @@ def linear_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def linear(x, w, out=None):
     """GPU: x bf16 [T, K] (uint16 bits), w bf16 [N, K] -> fp32 [T, N]. CPU: the reference.
-    1 <= T <= GEMV_MAX_ROWS (decode): the GEMV kernel while USE_GEMV is on; else cuBLAS."""
+    1 <= T <= GEMV_MAX_ROWS (decode) and W of at most GEMV_MAX_WEIGHT_ELEMENTS: the GEMV kernel while
+    USE_GEMV is on; else cuBLAS."""
     if not is_device_array(w):
         return linear_ref(x, w)
-    if USE_GEMV and _gemv.supported(x, w, out):
+    if USE_GEMV and w.size <= GEMV_MAX_WEIGHT_ELEMENTS and _gemv.supported(x, w, out):
         return _gemv.gemv(x, w, out)
     import cupy as cp
     if out is None:
