@@ -20,9 +20,9 @@
 // With splits > 1 each block covers one slice of the context and writes its unnormalized state;
 // paged_attention_merge combines the slices (split-K, for when there are too few rows to fill the GPU).
 //
-// paged_attention_naive (at the end of this file) is the first rung of the ladder, the kernel of
-// chapter 11's exercise: same arguments and grid (splits = 1), one warp per query head, keys one at a
-// time. kernel_bench times both.
+// The first rung of the ladder is chapter 11's exercise, whose worked solution
+// (kernels_cu/exercises/solutions/paged_attention.cu) takes the same arguments and grid (splits = 1):
+// one warp per query head, keys one at a time. kernel_bench times both.
 //
 // Compile-time constants (NVRTC -D options): HEAD_DIM (16..256, power of two) and GROUP (query
 // heads per KV head, 1..8); STAGES, UNROLL and MIN_BLOCKS are tuning knobs (notes/measurements/).
@@ -277,62 +277,4 @@ extern "C" __global__ void paged_attention_merge(const float* __restrict__ part_
         acc += part_acc[(p0 + s) * HEAD_DIM + d] * w;
     }
     out[r * out_row_stride + (long long)h * HEAD_DIM + d] = f2bf(l > 0.0f ? acc / l : 0.0f);
-}
-
-// Naive rung: grid (rows, Hkv, 1), NWARPS warps. Warp w serves query heads g = w, w + NWARPS, ...
-// of the KV head's group; lane l owns dimensions d = l, l + 32, ... of that head. Keys are taken one
-// at a time: every lane multiplies its dimensions, a warp_sum gives the score, and every lane
-// updates the same running (m, l) and its own slice of acc. Each key costs a full shuffle reduction
-// and a dependent global load, so little memory is in flight: simple and slow (part_ml/part_acc
-// are unused: no split).
-#define DIMS_PER_LANE ((HEAD_DIM + 31) / 32)
-extern "C" __global__ void __launch_bounds__(NWARPS * 32)
-paged_attention_naive(const bf16* __restrict__ q, long long q_row_stride,
-                      const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-                      const int* __restrict__ page_tables, int max_pages,
-                      const int* __restrict__ seq_idx, const int* __restrict__ positions,
-                      int page_size, int n_kv_heads, float scale_log2e,
-                      bf16* __restrict__ out, long long out_row_stride,
-                      float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    const int r = blockIdx.x, kvh = blockIdx.y;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int* table = page_tables + (long long)seq_idx[r] * max_pages;
-    const int ctx = positions[r] + 1;
-    const long long token_stride = (long long)n_kv_heads * HEAD_DIM;
-    for (int g = warp; g < GROUP; g += NWARPS) {
-        const int h = kvh * GROUP + g;
-        float qf[DIMS_PER_LANE], acc[DIMS_PER_LANE];
-#pragma unroll
-        for (int i = 0; i < DIMS_PER_LANE; ++i) {
-            const int d = lane + 32 * i;
-            qf[i] = d < HEAD_DIM ? bf2f(q[r * q_row_stride + (long long)h * HEAD_DIM + d]) * scale_log2e : 0.0f;
-            acc[i] = 0.0f;
-        }
-        float m = -INFINITY, l = 0.0f;
-        for (int j = 0; j < ctx; ++j) {
-            const long long slot = (long long)table[j / page_size] * page_size + j % page_size;
-            const bf16* kr = k_cache + slot * token_stride + (long long)kvh * HEAD_DIM;
-            const bf16* vr = v_cache + slot * token_stride + (long long)kvh * HEAD_DIM;
-            float s = 0.0f;
-#pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) {
-                const int d = lane + 32 * i;
-                if (d < HEAD_DIM) s += qf[i] * bf2f(kr[d]);
-            }
-            s = warp_sum(s);
-            const float m_new = fmaxf(m, s), alpha = exp2f(m - m_new), p = exp2f(s - m_new);
-            l = l * alpha + p;
-#pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) {
-                const int d = lane + 32 * i;
-                if (d < HEAD_DIM) acc[i] = acc[i] * alpha + p * bf2f(vr[d]);
-            }
-            m = m_new;
-        }
-#pragma unroll
-        for (int i = 0; i < DIMS_PER_LANE; ++i) {
-            const int d = lane + 32 * i;
-            if (d < HEAD_DIM) out[r * out_row_stride + (long long)h * HEAD_DIM + d] = f2bf(acc[i] / l);
-        }
-    }
 }

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backend import is_device_array, load_kernel, sm_count
+from engine.backend import KERNELS_DIR, is_device_array, load_kernel, load_source, sm_count
 from engine.config import ConfigError, LlamaConfig
 from engine.ops.attention import softmax, split_qkv
 from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
+NAIVE_SOURCE = KERNELS_DIR / "exercises" / "solutions" / "paged_attention.cu"   # the ladder's first rung
 NWARPS = 4          # warps per thread block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
 
 
@@ -140,7 +141,7 @@ def paged_attention(qkv, k_cache, v_cache, page_tables, seq_idx, positions, conf
 
 
 def _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config: LlamaConfig, out, part_ml, part_acc):
-    """The argument tuple shared by paged_attention and paged_attention_naive (kernels_cu/paged_attention.cu)."""
+    """The argument tuple of paged_attention and of the naive rung (chapter 11's exercise kernel)."""
     scale_log2e = config.head_dim ** -0.5 * np.log2(np.e)
     return (qkv, np.int64(qkv.shape[1]), k_cache, v_cache, page_tables, np.int32(page_tables.shape[1]),
             seq_idx, positions, np.int32(k_cache.shape[1]), np.int32(config.num_key_value_heads),
@@ -148,15 +149,16 @@ def _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config:
 
 
 def paged_attention_naive(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config: LlamaConfig):
-    """The ladder's first rung on the GPU (kernel_bench compares it with `paged_attention`): one warp
-    per query head, keys one at a time, no split. Same arguments and result as paged_attention."""
+    """The ladder's first rung on the GPU (kernel_bench compares it with `paged_attention`): chapter
+    11's worked solution (NAIVE_SOURCE), one warp per query head, keys one at a time, no split. Same
+    arguments and result as paged_attention."""
     import cupy as cp
     R, Hkv = qkv.shape[0], config.num_key_value_heads
     out = cp.empty((R, config.q_dim), dtype=cp.uint16)
     if R:
         unused = cp.empty(1, dtype=cp.float32)
-        load_kernel("paged_attention", "paged_attention_naive", HEAD_DIM=config.head_dim,
-                    GROUP=config.num_attention_heads // Hkv, NWARPS=NWARPS)(
+        defines = (("GROUP", config.num_attention_heads // Hkv), ("HEAD_DIM", config.head_dim), ("NWARPS", NWARPS))
+        load_source(NAIVE_SOURCE.read_text(), NAIVE_SOURCE, defines).get_function("paged_attention")(
             (R, Hkv, 1), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config,
                                               out, unused, unused))
     return out

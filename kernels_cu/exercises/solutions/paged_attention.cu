@@ -1,5 +1,5 @@
 // Worked solution of kernels_cu/exercises/paged_attention.cu (chapter 11): see the skeleton for the
-// layout. It is the first rung of the ladder, paged_attention_naive in kernels_cu/paged_attention.cu.
+// layout. It is also the first rung of the kernel ladder (engine.ops.paged_attention.paged_attention_naive).
 // The engine's fast kernel loads each K/V vector once for all GROUP heads, splits a key's HEAD_DIM
 // values over D/8 lanes (16 bytes each) so a warp works on several keys per step, and keeps many
 // keys in flight with a cp.async pipeline through shared memory: see chapter 11.
