@@ -30,6 +30,6 @@ for s in $STAGES; do
     http) $B --scenario serve-http --requests 256 --kv-cache-mib 8192 2>&1 | grep '^{' | tee -a "$OUT/serve.jsonl" ;;
     long) $B --scenario long-prefill --hf 2>&1 | grep '^{' | tee -a "$OUT/long.jsonl" ;;
     itl) $B --scenario chunked-itl --max-batch-tokens 2048 2>&1 | grep '^{' | tee -a "$OUT/long.jsonl" ;;
-    profile) $B --profile --profile-json "$OUT/14_decode_profile_h200.json" 2>&1 | tail -20 ;;
+    profile) $B --profile --profile-batches 1 64 256 --profile-json "$OUT/14_decode_profile_h200.json" 2>&1 | tail -20 ;;
   esac
 done
