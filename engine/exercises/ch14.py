@@ -1,5 +1,5 @@
 """Chapter 14 exercises: predict a decode step's floor from the model's bytes; find the bottleneck
-of a step from its per-kernel timeline."""
+of a step from its per-kernel timeline; bound a serving step whose host work overlaps the GPU's."""
 from __future__ import annotations
 
 import math
@@ -122,3 +122,33 @@ def _kernel_share(timeline: list) -> float:
 def _longest_call(timeline: list) -> tuple[str, float]:
     label, start, end = max(timeline, key=lambda k: k[2] - k[1])
     return label, (end - start) / (timeline[-1][2] - timeline[0][1])
+
+
+# ----------------------------------------------------------------------------- host/GPU overlap
+
+def overlapped_tok_per_s_ref(host_ms: float, gpu_ms: float, tokens_per_step: float) -> float:
+    """Output tokens per second of a serving loop whose host work for step n + 1 (scheduling, batch
+    arrays, bookkeeping) runs while the GPU computes step n: a step then lasts as long as the slower
+    of the two, max(host_ms, gpu_ms), instead of host_ms + gpu_ms one after the other."""
+    return tokens_per_step / (max(host_ms, gpu_ms) / 1e3)
+
+
+def check_overlapped_tok_per_s(fn: Callable) -> bool:
+    """fn(host_ms, gpu_ms, tokens_per_step) -> output tokens per second."""
+    # the H200 serving step (1.8 ms of host Python, 3.5 ms waiting for the GPU, 128 tokens a step),
+    # the same GPU at its floor (the host becomes the limit), a host-bound step, a tie, batch 1
+    setups = [(1.8, 3.5, 128.1), (1.8, 1.85, 128.1), (4.0, 2.0, 64), (2.5, 2.5, 256), (0.4, 1.2, 1)]
+    cases = [(args, overlapped_tok_per_s_ref(*args)) for args in setups]
+    hints = [("that is host and GPU one after the other (the loop without overlap): overlapped, a step "
+              "lasts as long as the slower of the two",
+              lambda h, g, t: t / ((h + g) / 1e3)),
+             ("the host's time was left out: when it is the slower one, it sets the step",
+              lambda h, g, t: t / (g / 1e3)),
+             ("a step cannot be shorter than the slower of the two: max, not min",
+              lambda h, g, t: t / (min(h, g) / 1e3)),
+             ("the times are in milliseconds: that is tokens per millisecond",
+              lambda h, g, t: t / max(h, g)),
+             ("that is steps per second; each step produces tokens_per_step tokens",
+              lambda h, g, t: 1e3 / max(h, g))]
+    return check_cases("overlapped_tok_per_s", fn, cases,
+                       same=lambda g, w: math.isclose(float(g), w, rel_tol=1e-6), hints=hints)
