@@ -220,16 +220,21 @@ def serve_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
 def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops: float | None) -> float:
     """A lower bound on a served workload's time: each step of its log at the hardware's limit.
 
-    A step reads every weight once and every row's context from the KV cache (bytes at copy
-    bandwidth), and multiplies its tokens by the weights (2 x parameters FLOPs per token, at the
-    measured GEMM rate; attention FLOPs left out): whichever takes longer. No host time, no launch
-    gaps, no kernel below the roofline: the engine's time over this is what it leaves on the table."""
-    weights = cfg.num_parameters() * bytes_per_value
+    A step reads every weight it multiplies by once (not an untied model's embedding table, of
+    which it gathers a few rows) and every row's context from the KV cache (bytes at copy bandwidth),
+    and multiplies its tokens by the weights: 2 FLOPs per weight per token for the layers, the LM
+    head only for the rows that sample (at the measured GEMM rate; attention FLOPs left out).
+    Whichever takes longer. No host time, no launch gaps, no kernel below the roofline: the engine's
+    time over this is what it leaves on the table."""
+    head = cfg.vocab_size * cfg.hidden_size                     # the LM head (the table itself when tied)
+    layers = cfg.num_parameters() - head * (1 if cfg.tie_word_embeddings else 2)
+    weights = (layers + head) * bytes_per_value
     per_token_kv = cfg.kv_bytes_per_token(bytes_per_value)
     total = 0.0
     for entry in log:
         memory = (weights + entry["context_tokens"] * per_token_kv) / (copy_gbps * 1e9)
-        compute = 2 * cfg.num_parameters() * entry["tokens"] / (tflops * 1e12) if tflops else 0.0
+        flops = 2 * layers * entry["tokens"] + 2 * head * entry["sampled"]
+        compute = flops / (tflops * 1e12) if tflops else 0.0
         total += max(memory, compute)
     return total
 

@@ -15,12 +15,15 @@ kernels of every step, and the GPU idles. vLLM answers this with an engine-core 
 The pipe carries token ids, never text (a request with stop strings is the exception: its text is
 cut at the stop in the engine process, so that text travels too). The HTTP process loads only the
 tokenizer, so the GPU is touched by one process. RemoteLLM offers what the server uses of an LLM:
-submit() returning a RequestHandle, stats(), tokenizer, close().
+submit() returning a RequestHandle, stats(), drop_session(), tokenizer, close(). A handle's
+request_id numbers this process's requests; stats() (the dashboard) shows the engine's own ids.
+The child ignores Ctrl-C: the server stops it (close(), or its pipe closing when the server exits).
 """
 from __future__ import annotations
 
 import itertools
 import multiprocessing
+import signal
 import threading
 from pathlib import Path
 
@@ -46,14 +49,37 @@ class RemoteLLM:
 
     def __init__(self, model_dir, backend: str = "auto", **llm_kwargs):
         model_dir = Path(model_dir)
+        self.tokenizer = None
+        if (model_dir / "tokenizer.json").is_file():    # before the child starts: a bad file fails here
+            from engine.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(model_dir)
+        self._tokenizer = self.tokenizer           # RequestHandle detokenizes with it, here
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no CUDA state is inherited
         self._conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(target=_engine_main, args=(child_conn, str(model_dir), backend, llm_kwargs),
                                     name="engine-process", daemon=True)
         self._process.start()
         child_conn.close()
+        try:
+            info = self._wait_ready()
+        except BaseException:
+            self._stop_process(timeout=0)
+            raise
+        self.description, self.max_seqs = info["backend"], info["max_seqs"]
+        self._handles_cv = threading.Condition()   # what RequestHandles wait on (as in EngineLoop)
+        self._handles: dict[int, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._sessions: dict = {}                  # session -> the small int that stands for it over the pipe
+        self._send_lock = threading.Lock()
+        self._stats_cv = threading.Condition()
+        self._stats_tickets = itertools.count(1)
+        self._stats: dict[int, dict | None] = {}   # ticket -> its answer (None while still awaited)
+        self._closed = False
+        self._receiver = threading.Thread(target=self._receive, name="engine-process-receiver", daemon=True)
+        self._receiver.start()
+
+    def _wait_ready(self) -> dict:
         if not self._conn.poll(START_TIMEOUT_S):
-            self._process.kill()
             raise EngineProcessError(f"the engine process did not start within {START_TIMEOUT_S} s")
         try:
             kind, *info = self._conn.recv()
@@ -61,25 +87,15 @@ class RemoteLLM:
             raise EngineProcessError(f"the engine process exited with code {self._process.exitcode} "
                                      "before it was ready") from None
         if kind == "failed":
-            self._process.join(timeout=10)
             error_type, message = info
             raise (ValueError if error_type == "ValueError" else EngineProcessError)(message)
-        self.description, self.max_seqs = info[0]["backend"], info[0]["max_seqs"]
-        self.tokenizer = None
-        if (model_dir / "tokenizer.json").is_file():
-            from engine.tokenizer import load_tokenizer
-            self.tokenizer = load_tokenizer(model_dir)
-        self._tokenizer = self.tokenizer           # RequestHandle detokenizes with it, here
-        self._handles_cv = threading.Condition()   # what RequestHandles wait on (as in EngineLoop)
-        self._handles: dict[int, RequestHandle] = {}
-        self._ids = itertools.count()
-        self._send_lock = threading.Lock()
-        self._stats_cv = threading.Condition()
-        self._stats_tickets = itertools.count(1)
-        self._stats: dict[int, dict] = {}
-        self._closed = False
-        self._receiver = threading.Thread(target=self._receive, name="engine-process-receiver", daemon=True)
-        self._receiver.start()
+        return info[0]
+
+    def _stop_process(self, timeout: float) -> None:
+        self._process.join(timeout=timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=10)
 
     def _send(self, message) -> None:
         with self._send_lock:
@@ -105,38 +121,63 @@ class RemoteLLM:
         handle._accepted = False
         with self._handles_cv:
             self._handles[handle.request_id] = handle
-        self._send(("submit", handle.request_id, prompt_ids, params, session))
+        try:
+            self._send(("submit", handle.request_id, prompt_ids, params, self._session_key(session)))
+        except BaseException:
+            with self._handles_cv:
+                self._handles.pop(handle.request_id, None)
+            raise
         return handle
 
+    def _session_key(self, session) -> int | None:
+        """Sessions are compared here, as LLM.submit's scheduler compares them (a dict key); the engine
+        process gets a small int per session, the same one every time."""
+        if session is None:
+            return None
+        with self._handles_cv:
+            return self._sessions.setdefault(session, len(self._sessions))
+
+    def drop_session(self, session) -> None:
+        """Free the KV pages kept for `session` in the engine process."""
+        with self._handles_cv:
+            key = self._sessions.pop(session, None)
+        if key is not None:
+            self._send(("drop_session", key))
+
     def cancel(self, request_id: int) -> None:
-        if not self._closed:
+        """Stop a request at the engine's next step; a no-op once the engine process is gone."""
+        try:
             self._send(("cancel", request_id))
+        except (RuntimeError, EngineProcessError):
+            pass
 
     def stats(self, timeout: float = 30.0) -> dict:
         """The engine's stats() snapshot (blocks for at most one step, and the round trip)."""
         ticket = next(self._stats_tickets)
-        self._send(("stats", ticket))
         with self._stats_cv:
-            if not self._stats_cv.wait_for(lambda: ticket in self._stats or self._closed, timeout):
-                raise TimeoutError(f"the engine process did not answer within {timeout} s")
-            if ticket not in self._stats:
-                raise EngineProcessError("the engine process is gone")
-            return self._stats.pop(ticket)
+            self._stats[ticket] = None
+        try:
+            self._send(("stats", ticket))
+            with self._stats_cv:
+                if not self._stats_cv.wait_for(lambda: self._stats[ticket] is not None or self._closed, timeout):
+                    raise TimeoutError(f"the engine process did not answer within {timeout} s")
+                if self._stats[ticket] is None:
+                    raise EngineProcessError("the engine process is gone")
+                return self._stats[ticket]
+        finally:
+            with self._stats_cv:
+                del self._stats[ticket]          # an answer arriving after a timeout is dropped
 
     def close(self) -> None:
         """Stop the engine process; requests still running fail with EngineProcessError."""
         with self._send_lock:
-            if self._closed:
-                return
-            try:
-                self._conn.send(("close",))
-            except OSError:
-                pass
-            self._closed = True
-        self._process.join(timeout=30)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout=10)
+            if not self._closed:
+                try:
+                    self._conn.send(("close",))
+                except OSError:
+                    pass
+                self._closed = True
+        self._stop_process(timeout=30)           # also when the receiver saw the process end first
         self._receiver.join(timeout=10)
 
     def __enter__(self) -> RemoteLLM:
@@ -154,8 +195,9 @@ class RemoteLLM:
                 if kind == "stats":
                     ticket, stats = body
                     with self._stats_cv:
-                        self._stats[ticket] = stats
-                        self._stats_cv.notify_all()
+                        if ticket in self._stats:        # still awaited
+                            self._stats[ticket] = stats
+                            self._stats_cv.notify_all()
                     continue
                 listeners = []
                 with self._handles_cv:
@@ -208,6 +250,9 @@ class RemoteLLM:
 # ---- the engine side -----------------------------------------------------------------------------
 def _engine_main(conn, model_dir: str, backend: str, llm_kwargs: dict) -> None:
     """The child process: build the LLM, then serve commands until "close" or the parent goes away."""
+    # Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops
+    # (close(), or the pipe closing when it exits), so that its requests end cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.llm import LLM
     try:
         llm = LLM(model_dir, backend, **llm_kwargs)
@@ -246,6 +291,8 @@ class Forwarder:
                         entry = self.live.get(body[0])
                     if entry is not None:
                         entry[0].cancel()
+                elif kind == "drop_session":
+                    self.llm.drop_session(body[0])
                 elif kind == "stats":      # stats() waits for a step boundary: not on this thread
                     threading.Thread(target=self.answer_stats, args=(body[0],), daemon=True).start()
                 elif kind == "close":

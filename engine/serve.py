@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import threading
 import time
@@ -46,6 +47,7 @@ from engine.serve_metrics import Monitor
 
 DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboard"
 DASHBOARD_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+logger = logging.getLogger("engine.serve")
 SAMPLE_EVERY_S = 0.25     # how often the monitor reads the engine's stats (the dashboard's frame rate)
 
 
@@ -100,7 +102,11 @@ class OpenAIServer:
 
     async def _sample_forever(self) -> None:
         while True:      # stats() waits for a step boundary: never on the event loop's thread
-            await asyncio.to_thread(self.monitor.sample)
+            try:
+                await asyncio.to_thread(self.monitor.sample)
+            except Exception as exc:     # a slow first step (kernels compiling), an engine restarting:
+                logger.warning("engine stats unavailable (%s); the dashboard keeps its last picture", exc)
+                await asyncio.sleep(1.0)  # the dashboard must not stop for good
             await asyncio.sleep(SAMPLE_EVERY_S)
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -134,10 +140,16 @@ class OpenAIServer:
     async def _submit(self, prompt_ids: list[int], params, param: str):
         try:
             handle = self.llm.submit(prompt_ids, params)
-            await handle.accepted()   # an engine in its own process checks the request there
-            return handle
         except ValueError as exc:     # does not fit the context or the KV pool, bad token ids, ...
             raise ApiError(400, str(exc), param) from None
+        try:
+            await handle.accepted()   # an engine in its own process checks the request there
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param) from None
+        except BaseException:         # the client or the server went away while it waited
+            handle.cancel()
+            raise
+        return handle
 
     def _need_tokenizer(self):
         if self.tokenizer is None:

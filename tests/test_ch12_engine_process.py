@@ -88,3 +88,43 @@ def test_a_dead_engine_process_fails_its_requests(model_dir):
             llm.submit("after", SamplingParams(max_new_tokens=2))
     finally:
         llm.close()
+
+
+def test_a_submit_that_cannot_be_sent_leaves_nothing_behind(remote):
+    with pytest.raises(TypeError):                     # sessions are dict keys, here as in LLM.submit
+        remote.submit("hi", SamplingParams(max_new_tokens=2), session={"not": "hashable"})
+    assert remote._handles == {}
+
+
+def test_a_session_reuses_its_prefix_in_the_engine_process(remote):
+    class Conversation:                                # hashed by identity, as LLM.submit allows
+        pass
+    chat = Conversation()
+    first = remote.submit("A long shared system prompt, then a question", SamplingParams(max_new_tokens=4),
+                          session=chat)
+    done = first.result(timeout=30)
+    follow_up = done.prompt_token_ids + done.token_ids + [11, 12, 13]
+    second = remote.submit(follow_up, SamplingParams(max_new_tokens=2), session=chat)
+    second.result(timeout=30)
+    reused = [r["reused_tokens"] for r in remote.stats()["requests"]]
+    assert reused[-1] >= len(done.prompt_token_ids), reused
+    remote.drop_session(chat)
+    assert remote.stats()["pages_cached"] == 0
+
+
+def test_ctrl_c_reaches_the_engine_process_harmlessly(remote):
+    handle = remote.submit("keep going", SamplingParams(max_new_tokens=20, ignore_eos=True))
+    os.kill(remote._process.pid, signal.SIGINT)        # a terminal's Ctrl-C goes to the whole process group
+    assert len(handle.result(timeout=30).token_ids) == 20 and remote._process.is_alive()
+
+
+def test_cancel_after_close_is_a_no_op(model_dir):
+    llm = RemoteLLM(model_dir, "numpy", **OPTIONS)
+    handle = llm.submit("x", SamplingParams(max_new_tokens=200, ignore_eos=True))
+    llm.close()
+    handle.cancel()                                    # the server's finally blocks do this
+    with pytest.raises(EngineProcessError):
+        handle.result(timeout=10)
+    with pytest.raises(RuntimeError):                  # a closed engine takes nothing, and keeps nothing
+        llm.submit("y", SamplingParams(max_new_tokens=2))
+    assert llm._handles == {} and not llm._process.is_alive()

@@ -86,3 +86,20 @@ def test_profile_on_gpu(tiny_dir):
     total = records[-1]
     assert total["ms"] > 0 and total["graph_step_ms"] is not None and total["graph_step_ms"] > 0
     assert all(r["ms"] > 0 for r in records)
+
+
+def test_the_serving_floor_counts_bytes_and_flops_of_each_step():
+    from engine.bench import step_floor_seconds
+    from engine.config import config_from_dict
+    from engine.random_model import PRESETS
+    cfg = config_from_dict(PRESETS["llama-3.2-1b"])            # tied embeddings
+    head = cfg.vocab_size * cfg.hidden_size
+    layers = cfg.num_parameters() - head
+    decode = {"context_tokens": 64 * 1000, "tokens": 64, "sampled": 64}
+    want = (cfg.num_parameters() * 2 + 64 * 1000 * cfg.kv_bytes_per_token(2)) / 4000e9    # memory-bound
+    assert step_floor_seconds([decode], cfg, 2, 4000, 800) == pytest.approx(want)
+    prefill = {"context_tokens": 8192, "tokens": 8192, "sampled": 1}                     # compute-bound
+    want = (2 * layers * 8192 + 2 * head) / 800e12
+    assert step_floor_seconds([prefill], cfg, 2, 4000, 800) == pytest.approx(want)
+    assert step_floor_seconds([decode, prefill], cfg, 2, 4000, 800) == pytest.approx(
+        step_floor_seconds([decode], cfg, 2, 4000, 800) + want)

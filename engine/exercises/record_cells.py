@@ -41,6 +41,7 @@ import linecache
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -142,6 +143,9 @@ def _run_source(source: str, filename: str, namespace: dict) -> None:
         value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
         if value is not None and not is_quiet(source):
             namespace["_"] = value
+            out = sys.stdout
+            if isinstance(out, io.StringIO) and out.getvalue() and not out.getvalue().endswith("\n"):
+                print()                       # Jupyter shows the value as an output of its own
             print(repr(value))
 
 
@@ -261,7 +265,9 @@ def _child(notebook: str, result: Path) -> int:
     cells = [{"key": key, "index": r.index, "id": r.cell_id, "output": r.output, "figures": r.figures,
               "solutions": sorted({a or b for a, b in EXERCISE_FILE_RE.findall(r.source)})}
              for r in runs for key in cell_keys(r.source)]
-    result.write_text(json.dumps({"cells": cells}))
+    partial = result.with_suffix(".partial")
+    partial.write_text(json.dumps({"cells": cells}))
+    partial.replace(result)                   # all or nothing: a reader never sees half a file
     return 0
 
 
@@ -272,13 +278,20 @@ def run_notebook(copy_root: Path, notebook: str, timeout: float) -> dict:
     result = copy_root / f".{notebook}.result.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "engine.exercises.record_cells", "--child", notebook, "--result", str(result)]
+    # A session of its own: on a timeout the whole group goes (a cell's own `python -m engine.bench` or
+    # server too), so nothing keeps the GPU busy while the next notebook runs.
+    proc = subprocess.Popen(cmd, cwd=copy_root / "chapters", env=env, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=copy_root / "chapters", env=env, timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         return {"error": {"index": None, "id": None, "traceback": f"did not finish within {timeout:.0f} s (--timeout)"}}
-    if result.is_file():
+    try:
         return json.loads(result.read_text())
-    return {"error": {"index": None, "id": None, "traceback": f"the notebook's process exited with status {proc.returncode}"}}
+    except (OSError, json.JSONDecodeError):   # no result, or one cut short by a crash
+        return {"error": {"index": None, "id": None,
+                          "traceback": f"the notebook's process exited with status {proc.returncode} without a result"}}
 
 
 def _problems(notebook: str, keys: list[str], cells: list[dict]) -> list[str]:

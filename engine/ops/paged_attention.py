@@ -10,6 +10,8 @@ row per sequence; a prompt appended to a cached prefix is one row per prompt tok
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from engine.backend import KERNELS_DIR, is_device_array, load_kernel, load_source, sm_count
@@ -157,8 +159,13 @@ def paged_attention_naive(qkv, k_cache, v_cache, page_tables, seq_idx, positions
     out = cp.empty((R, config.q_dim), dtype=cp.uint16)
     if R:
         unused = cp.empty(1, dtype=cp.float32)
-        defines = (("GROUP", config.num_attention_heads // Hkv), ("HEAD_DIM", config.head_dim), ("NWARPS", NWARPS))
-        load_source(NAIVE_SOURCE.read_text(), NAIVE_SOURCE, defines).get_function("paged_attention")(
+        _naive_kernel(config.head_dim, config.num_attention_heads // Hkv)(
             (R, Hkv, 1), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config,
                                               out, unused, unused))
     return out
+
+
+@functools.cache
+def _naive_kernel(head_dim: int, group: int):
+    defines = (("GROUP", group), ("HEAD_DIM", head_dim), ("NWARPS", NWARPS))
+    return load_source(NAIVE_SOURCE.read_text(), NAIVE_SOURCE, defines).get_function("paged_attention")
