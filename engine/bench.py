@@ -217,6 +217,15 @@ def serve_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, outs
 
 
+def warm_up_requests(prompts, max_seqs: int) -> tuple[list[list[int]], list[int]]:
+    """A short workload that compiles every kernel and captures every decode-graph bucket before the
+    timed run: max_seqs requests of 16 prompt tokens whose outputs end a few at a time (2..81
+    tokens), then three stragglers, so the decode batch shrinks through every bucket down to one row."""
+    n = max(1, max_seqs - 3)
+    lengths = [2 + i % 80 for i in range(n)] + [90, 95, 100][:max_seqs - n]
+    return [prompts[i % len(prompts)][:16] for i in range(len(lengths))], lengths
+
+
 def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops: float | None) -> float:
     """A lower bound on a served workload's time: each step of its log at the hardware's limit.
 
@@ -259,7 +268,8 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         batching, kv = mode.split("+")
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs)
-        llm.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))   # warm-up (compile kernels)
+        warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs)
+        llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
         backend.synchronize()
         t = time.perf_counter()
         results = llm.generate(prompts, params)

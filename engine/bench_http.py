@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from engine.bench import emit, serve_workload
+from engine.bench import emit, serve_workload, warm_up_requests
 from engine.config import load_config
 
 SERVER_START_TIMEOUT_S = 900    # loading a 1B model and compiling the kernels on first use
@@ -109,7 +109,8 @@ def scenario_serve_http(args, setup, model_dir, backend) -> None:
             "len_range": [args.min_len, args.max_len], "output_tokens": useful}
 
     llm = LLM(model_dir, backend, kv_cache_mib=args.kv_cache_mib, max_context=max_context, max_seqs=args.max_seqs)
-    llm.generate([prompts[0][:16]], SamplingParams(max_new_tokens=4))      # warm-up (compile kernels)
+    warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs)          # kernels and graph buckets, untimed
+    llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
     backend.synchronize()
     t = time.perf_counter()
     results = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in outs])
@@ -130,7 +131,7 @@ def scenario_serve_http(args, setup, model_dir, backend) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
         wait_healthy(url, proc, SERVER_START_TIMEOUT_S)
-        asyncio.run(stream_all(url, [prompts[0][:16]], [4]))                  # warm-up (compile kernels)
+        asyncio.run(stream_all(url, warm, warm_lengths))                      # the same warm-up, in the server
         http_s, ttft, tokens = stream_from_processes(url, prompts, outs, args.http_clients)
     finally:
         proc.terminate()
