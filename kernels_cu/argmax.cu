@@ -3,9 +3,11 @@
 // then a shared-memory tree reduction picks the winner. Only the int32 index goes back to the host.
 #include "common.cuh"
 
-// THREADS (threads per block) comes from the launcher, engine/ops/argmax.py, as -DTHREADS=...
+// THREADS (threads per block) comes from the launcher, engine/ops/argmax.py, as -DTHREADS=...; the
+// default is the same value, so that a plain `nvcc argmax.cu` builds the kernel the engine runs
+// (tests/test_kernels_compile.py checks they agree).
 #ifndef THREADS
-#error "THREADS must be defined by the launcher (engine/ops/argmax.py)"
+#define THREADS 1024
 #endif
 static_assert(THREADS >= 32 && THREADS <= 1024 && (THREADS & (THREADS - 1)) == 0,
               "the tree reduction halves the block each step: THREADS must be a power of two");

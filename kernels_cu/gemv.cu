@@ -49,14 +49,22 @@
 //
 // Two entry points, the same layout: gemv_bf16 (16-byte loads: K % 8 == 0, rows of x and W
 // 16-byte aligned) and gemv_bf16_unaligned (element loads, any K and alignment: the tiny test
-// models, views). Compile-time constants, set by engine/ops/gemv.py (its one source):
+// models, views). Compile-time constants, set by engine/ops/gemv.py (the defaults below are its
+// values, so that a plain `nvcc gemv.cu` builds the kernel the engine runs; tests/test_kernels_compile.py
+// checks they agree):
 // GEMV_MAX_ROWS (rows of x, at most the mma's 8), NWARPS (most warps per block) and UNROLL
 // (k-blocks per main-loop step: 3 UNROLL 16-byte loads in flight per thread).
 // bf16 mma.sync needs sm_80+; engine/ops/linear.py keeps cuBLAS on older GPUs.
 #include "common.cuh"
 
-#if !defined(GEMV_MAX_ROWS) || !defined(NWARPS) || !defined(UNROLL)
-#error "GEMV_MAX_ROWS, NWARPS and UNROLL are set together by engine/ops/gemv.py"
+#ifndef GEMV_MAX_ROWS
+#define GEMV_MAX_ROWS 8
+#endif
+#ifndef NWARPS
+#define NWARPS 16
+#endif
+#ifndef UNROLL
+#define UNROLL 4
 #endif
 static_assert(GEMV_MAX_ROWS >= 1 && GEMV_MAX_ROWS <= 8, "GEMV_MAX_ROWS: 1..8 (x rows are the n = 8 of mma.m16n8k16)");
 static_assert(NWARPS >= 1 && NWARPS <= 32, "NWARPS: 1..32 warps per block");

@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,15 +23,22 @@ from engine.ops import argmax, flash_attention, gemv, paged_attention
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 # the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions
 SOURCES = [p for pattern in ("*.cu", "exercises/*.cu", "exercises/solutions/*.cu") for p in sorted(KERNELS.glob(pattern))]
-# Launch constants come from the Python launchers (one source), passed as -D defines like at run time.
+# Launch constants come from the Python launchers, passed as -D defines like at run time.
+LAUNCH_CONSTANTS = {
+    "paged_attention.cu": {"NWARPS": paged_attention.NWARPS},
+    "flash_attention.cu": {"NWARPS": flash_attention.NWARPS, "BLOCK_N": flash_attention.BLOCK_N},
+    "argmax.cu": {"THREADS": argmax.THREADS},
+    "sampling.cu": {"THREADS": sampling.SAMPLE_THREADS},
+    "gemv.cu": {"GEMV_MAX_ROWS": gemv.GEMV_MAX_ROWS, "NWARPS": gemv.NWARPS, "UNROLL": gemv.UNROLL},
+}
+# ... and for the kernels specialized per model shape, every shape the engine compiles them for
 VARIANTS = {
-    "paged_attention.cu": [{"HEAD_DIM": d, "GROUP": g, "NWARPS": paged_attention.NWARPS}
+    "paged_attention.cu": [{**LAUNCH_CONSTANTS["paged_attention.cu"], "HEAD_DIM": d, "GROUP": g}
                            for d in (16, 32, 64, 128, 256) for g in (1, 3, 4, 8)],
-    "flash_attention.cu": [{"HEAD_DIM": d, "NWARPS": flash_attention.NWARPS, "BLOCK_N": flash_attention.BLOCK_N,
-                            "PAGED": p} for d in flash_attention.KERNEL_HEAD_DIMS for p in (0, 1)],
-    "argmax.cu": [{"THREADS": argmax.THREADS}],
-    "sampling.cu": [{"THREADS": sampling.SAMPLE_THREADS}],
-    "gemv.cu": [{"GEMV_MAX_ROWS": gemv.GEMV_MAX_ROWS, "NWARPS": gemv.NWARPS, "UNROLL": gemv.UNROLL}],
+    "flash_attention.cu": [{**LAUNCH_CONSTANTS["flash_attention.cu"], "HEAD_DIM": d, "PAGED": p}
+                           for d in flash_attention.KERNEL_HEAD_DIMS for p in (0, 1)],
+    **{name: [constants] for name, constants in LAUNCH_CONSTANTS.items()
+       if name not in ("paged_attention.cu", "flash_attention.cu")},
 }
 
 
@@ -97,3 +105,25 @@ def test_kernel_compiles(source, defines, arch):
         r = subprocess.run(cmd, capture_output=True, text=True)
         log = "" if r.returncode == 0 else r.stderr
     assert log == "", log
+
+
+def source_defaults(source: Path) -> dict[str, str]:
+    """NAME -> value of every `#ifndef NAME / #define NAME value` default in a kernel source."""
+    return dict(re.findall(r"^#ifndef (\w+)[^\n]*\n#define \1 (\S+)", source.read_text(), re.M))
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCH_CONSTANTS))
+def test_kernel_defaults_are_the_launch_constants(name):
+    """A plain `nvcc kernels_cu/x.cu` builds the kernel the engine launches: its defaults are the
+    values the launcher passes (a block size that differed would launch the wrong number of threads)."""
+    defaults = source_defaults(KERNELS / name)
+    assert {k: defaults.get(k) for k in LAUNCH_CONSTANTS[name]} == {k: str(v) for k, v in LAUNCH_CONSTANTS[name].items()}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("source", SOURCES, ids=[str(s.relative_to(KERNELS)) for s in SOURCES])
+def test_kernel_compiles_with_plain_nvcc(source):
+    """As a learner would try it: no -D, no -I, from anywhere."""
+    r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-ptx", "-o", os.devnull, str(source)],
+                       capture_output=True, text=True, cwd=os.path.dirname(os.devnull))
+    assert r.returncode == 0, r.stderr

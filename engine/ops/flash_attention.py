@@ -24,7 +24,8 @@ from engine.backend import is_device_array, load_kernel
 from engine.config import LlamaConfig
 from engine.ops.attention import split_qkv
 
-# The kernel's launch constants (passed to it as -D defines; this module is their one source).
+# The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a
+# plain nvcc build; tests/test_kernels_compile.py checks that the two agree).
 NWARPS = 4                   # warps per CTA; each owns 16 query rows (the M of mma.m16n8k16)
 BLOCK_M = 16 * NWARPS        # query rows per CTA
 BLOCK_N = 64                 # keys per shared-memory tile

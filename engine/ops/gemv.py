@@ -19,7 +19,8 @@ import numpy as np
 
 from engine.backend import load_kernel, sm_count
 
-# The kernel's launch constants (passed to it as -D defines; this module is their one source).
+# The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a
+# plain nvcc build; tests/test_kernels_compile.py checks that the two agree).
 GEMV_MAX_ROWS = 8     # rows of x per launch: the n = 8 of mma.m16n8k16
 NWARPS = 16           # most warps per block (the block's warps split K); sizes the launch bounds
 UNROLL = 4            # k-blocks per main-loop step: 3 UNROLL 16-byte loads in flight per thread
