@@ -1,7 +1,9 @@
-"""Shared pytest fixtures: the default model (downloaded and converted once per machine)."""
+"""Shared pytest fixtures: the default model (downloaded and converted once per machine), the tiny
+chat model of the serving tests (written once per run)."""
 import os
 import sys
 
+import pytest
 from hypothesis import settings
 
 # CI replays the same examples every run (a landing must not hinge on a lucky draw); locally,
@@ -16,3 +18,10 @@ try:
     from helpers.default_model import default_gguf_path, default_model_dir  # noqa: F401
 except ImportError as exc:  # a bare GPU box without the package's dependencies (gguf) runs test_gpu.py only
     print(f"conftest: default-model fixtures unavailable ({exc})", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory):
+    """tests/helpers/serve.py's tiny chat model (random weights, Llama 3's tokenizer); read-only."""
+    from helpers.serve import write_tiny_chat_model
+    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))

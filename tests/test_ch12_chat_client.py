@@ -120,15 +120,15 @@ def test_cli_one_shot_and_unreachable_server(server):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_remote_chat_against_the_engine_server(tmp_path):
+def test_remote_chat_against_the_engine_server(tiny_chat_dir):
     """The real thing: engine.serve on loopback; each turn's text equals LLM.generate on the rendered
     conversation, and a conversation longer than the server's context keeps going."""
     pytest.importorskip("uvicorn")
-    from helpers.serve import MODEL_NAME, write_tiny_chat_model
+    from helpers.serve import MODEL_NAME
 
     from engine.llm import LLM
     from engine.serve import ServerThread
-    llm = LLM(write_tiny_chat_model(tmp_path / "tiny-chat"), backend="numpy", max_context=160, max_seqs=4)
+    llm = LLM(tiny_chat_dir, backend="numpy", max_context=160, max_seqs=4)
     params = SamplingParams(max_new_tokens=12)
     with ServerThread(llm, MODEL_NAME) as server:
         chat = RemoteChat(server.url, params, "You are terse.")

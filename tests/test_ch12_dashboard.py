@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers.serve import MODEL_NAME, write_tiny_chat_model
+from helpers.serve import MODEL_NAME
 
 CHROMIUM = next((p for p in (os.environ.get("CHROMIUM"), shutil.which("chromium"), shutil.which("chromium-browser"))
                  if p), None)
@@ -24,9 +24,8 @@ from engine.serve import ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    llm = LLM(model_dir, backend="numpy", kv_cache_mib=0.5, max_context=256, max_seqs=6)
+def server(tiny_chat_dir):
+    llm = LLM(tiny_chat_dir, backend="numpy", kv_cache_mib=0.5, max_context=256, max_seqs=6)
     with ServerThread(llm, MODEL_NAME) as running:
         yield running, llm
 

@@ -7,7 +7,6 @@ import os
 import signal
 
 import pytest
-from helpers.serve import write_tiny_chat_model
 
 from engine.engine_process import EngineProcessError, RemoteLLM
 from engine.llm import LLM
@@ -17,8 +16,8 @@ OPTIONS = {"kv_cache_mib": 0.5, "max_context": 256, "max_seqs": 8}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+def model_dir(tiny_chat_dir):
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from helpers.serve import MODEL_NAME, write_tiny_chat_model
+from helpers.serve import MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
@@ -28,8 +28,8 @@ OPTIONS = {"kv_cache_mib": 0.5, "max_context": 256, "max_seqs": 12}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+def model_dir(tiny_chat_dir):
+    return tiny_chat_dir
 
 
 @pytest.fixture(scope="module")

@@ -48,11 +48,9 @@ def test_sampling_params_stop_is_validated_and_normalized():
 # ---- in the engine: LLM.generate and streamed handles ---------------------------------------------
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    from helpers.serve import write_tiny_chat_model
-
+def llm(tiny_chat_dir):
     from engine.llm import LLM
-    return LLM(write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat")), backend="numpy", max_context=128)
+    return LLM(tiny_chat_dir, backend="numpy", max_context=128)
 
 
 def test_generate_ends_at_a_stop_string(llm):
