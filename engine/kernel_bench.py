@@ -331,7 +331,7 @@ class Bench:
         from engine.ops.attention import prefill_attention
         from engine.ops.flash_attention import flash_attention, flash_attention_ref, kernel_supports
         from engine.ops.paged_attention import paged_attention
-        gemm = self._gemm_tflops()
+        gemm = float("nan") if self.check_only else gemm_tflops(self.backend)
         checks = [(6, 2, 16, [13, 1, 40], 0, 16), (8, 8, 64, [1, 63, 64, 65, 130], 0, 16),
                   (12, 3, 128, [129, 5], 0, 16), (16, 2, 64, [77, 200], 0, 7), (8, 1, 32, [70], 0, 16),
                   (32, 8, 64, [5, 64, 70], 100, 16), (16, 2, 128, [33, 1, 65], 17, 7)]
@@ -368,9 +368,6 @@ class Bench:
                 elif T <= 8192:   # the chapter 06 rung: T x T scores through memory
                     ms = self.time_ms(lambda a=(args[0], args[1], cfg): prefill_attention(*a), reps=3)
                     self.record("prefill_attention cuBLAS+softmax (before)", shape, 0.0, BF16_TOL, ms, flops=flops)
-
-    def _gemm_tflops(self) -> float:
-        return float("nan") if self.check_only else gemm_tflops(self.backend)
 
     def _flash_case(self, cfg, lens, prefix, page_size):
         """Device inputs of flash_attention for sequences of `lens` query tokens, each after `prefix`

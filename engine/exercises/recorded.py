@@ -33,6 +33,12 @@ def _banner(run: dict) -> str:
     return f"{run['device']}, {run['date']}"
 
 
+def _quote(text: str) -> None:
+    """A recorded output, each line after '    | ' (set apart from what this machine printed)."""
+    for line in text.rstrip().splitlines():
+        print(f"    | {line}")
+
+
 def show_recorded(exercise: str, path: Path | None = None) -> None:
     """Print what the worked solution's checker printed in the recorded GPU run."""
     run = load(path)
@@ -41,8 +47,7 @@ def show_recorded(exercise: str, path: Path | None = None) -> None:
         return
     print(f"    Recorded run of the worked solution kernels_cu/exercises/solutions/{exercise}.cu "
           f"on {_banner(run)}:")
-    for line in run["checks"][exercise].rstrip().splitlines():
-        print(f"    | {line}")
+    _quote(run["checks"][exercise])
 
 
 def ladder_rows(stage: str, path: Path | None = None) -> list[dict]:
@@ -92,5 +97,4 @@ def show_recorded_cell(key: str, reason: str | None = None, path: Path | None = 
     if cell.get("figures"):
         what += f" (text only: its {_plural(cell['figures'], 'figure')} not kept)"
     print(f"GPU cell skipped here: {reason}. What it printed in a recorded run on {what}:")
-    for line in cell["output"].rstrip().splitlines():
-        print(f"    | {line}")
+    _quote(cell["output"])
