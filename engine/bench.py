@@ -265,9 +265,10 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         modes = ["static+contiguous", "static+paged", "continuous+contiguous", "continuous+paged"]
         hf = None        # a padded batch of 1,024 rows is not a peer for a 128-seat server
     for mode in modes:
-        batching, kv = mode.split("+")
+        batching, kv, *host = mode.split("+")       # "+sync": the host schedules one step at a time
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
-                  max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs)
+                  max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs,
+                  async_scheduling=False if host == ["sync"] else None)
         warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs)
         llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
         backend.synchronize()
@@ -286,7 +287,9 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
               "floor_seconds": round(floor, 2), "floor_tok_per_s": round(useful / floor, 1),
               "pct_of_floor": round(100 * floor / sec, 1), "gemm_tflops": tflops and round(tflops, 1),
               "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1), "max_seqs": llm.max_seqs,
-              "cuda_graphs": llm.decode_graphs.enabled, "graph_replays": llm.decode_graphs.replays})
+              "cuda_graphs": llm.decode_graphs.enabled, "graph_replays": llm.decode_graphs.replays,
+              "async_scheduling": llm.async_scheduling,
+              "discarded_rows": sum(len(s.get("discarded", ())) for s in log)})
         del llm
         if backend.is_gpu:
             backend.xp.get_default_memory_pool().free_all_blocks()
@@ -470,7 +473,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seqs", type=int, default=None)
     ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size for serve")
-    ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+contiguous", "static+contiguous"])
+    ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+paged+sync",
+                                                          "continuous+contiguous", "static+contiguous"],
+                    help="batching+cache[+sync]; +sync: no async scheduling (the host schedules between steps)")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     ap.add_argument("--oversub-requests", type=int, default=1024, help="requests of serve-oversubscribed")

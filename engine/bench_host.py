@@ -29,7 +29,7 @@ import numpy as np
 
 import engine.llm as llm_module
 from engine.random_model import PRESETS, write_random_model
-from engine.sampling import SamplingParams
+from engine.sampling import SampledTokens, SamplingParams
 
 
 def write_host_model(directory: Path, max_context: int, tokenizer: bool = True) -> Path:
@@ -48,9 +48,10 @@ def free_forward(fb, cache):
 
 
 def make_free_sample(vocab: int):
-    def free_sample(logits, params, uniforms, labels=None) -> np.ndarray:
+    def free_sample(logits, params, uniforms) -> SampledTokens:
         """Stand-in for sampling: the row's seeded uniform picks an id (deterministic per request)."""
-        return (np.asarray(uniforms, dtype=np.float64) * (vocab - 300) + 300).astype(np.int32)  # past specials
+        ids = (np.asarray(uniforms, dtype=np.float64) * (vocab - 300) + 300).astype(np.int32)  # past specials
+        return SampledTokens(ids, np.ones(len(ids), dtype=bool))
     return free_sample
 
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         llm = llm_module.LLM(model_dir, backend="numpy", max_seqs=args.max_seqs, max_batch_tokens=8192,
                              max_context=max_context)
     llm.model.forward = free_forward
-    real_sample, llm_module.sample = llm_module.sample, make_free_sample(llm.config.vocab_size)
+    real_sample, llm_module.start_sampling = llm_module.start_sampling, make_free_sample(llm.config.vocab_size)
     try:
         prompts, params = workload(args.requests, args.min_len, args.max_len)
         llm.generate(prompts[:2], params[:2])     # warm-up: the loop thread, first detokenizers
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
             stats.sort_stats("tottime").print_stats(30)
             stats.sort_stats("cumulative").print_stats(30)
     finally:
-        llm_module.sample = real_sample
+        llm_module.start_sampling = real_sample
     steps = len(log)
     rows = sum(s["rows"] for s in log)
     tokens = sum(len(r.token_ids) for r in results)

@@ -13,7 +13,12 @@ boundary with its pages freed. Stop strings (SamplingParams.stop) are checked he
 detokenizer produces: the scheduler sees only token ids, so when a request's text reaches one of its
 stop strings the loop ends it (finish_reason "stop", pages freed) and its text ends before the string.
 A forward pass that raises fails the requests of that batch with the
-exception (their handles re-raise it) and the engine carries on with the others. `LLM.generate`,
+exception (their handles re-raise it) and the engine carries on with the others.
+
+On a GPU the loop keeps one batch in flight (async scheduling, engine/scheduler.py): it schedules and
+launches step N+1, then waits for step N's tokens and hands them out while the GPU runs step N+1.
+The GPU never waits for the host's scheduling and bookkeeping, only the other way round; a request
+that ends at step N (eos, a stop string, a cancel) has its row of step N+1 computed and discarded. `LLM.generate`,
 the chat and the HTTP server all go through this loop: nothing else writes the cache.
 
 The thread holds the LLM only through a weak reference while it sleeps, so dropping the last
@@ -268,7 +273,8 @@ class EngineLoop:
         self._stats_served = 0
         self._stats: dict | None = None
         self._tokenizer = llm.tokenizer
-        self.scheduler = llm.new_scheduler()
+        self.scheduler = llm.new_scheduler(async_scheduling=llm.async_scheduling)
+        self._in_flight = None                # async scheduling: the launched step not yet completed
         self.manual = None                    # weakref to a scheduler driven by hand (LLM.step)
         # Owned by the loop thread:
         self._handles: dict[int, RequestHandle] = {}
@@ -384,11 +390,13 @@ class EngineLoop:
                     self._fail_all(exc)
                     with self._cv:               # the next submission's id is the new scheduler's first
                         first = min([h.request_id for h in self._pending], default=self._next_id)
-                    self.scheduler = llm.new_scheduler(first_request_id=first)
+                    self._in_flight = None
+                    self.scheduler = llm.new_scheduler(first_request_id=first,
+                                                       async_scheduling=llm.async_scheduling)
                     if not isinstance(exc, Exception):
                         raise
                 finally:
-                    self._has_work = self.scheduler.has_unfinished()
+                    self._has_work = self.scheduler.has_unfinished() or self._in_flight is not None
                     self._serve_stats()
             del llm
 
@@ -406,6 +414,9 @@ class EngineLoop:
         for request_id in cancels:
             if request_id in self._handles:
                 self._finish([sched.cancel(request_id)])
+        if sched.async_scheduling:
+            self._overlapped_step(llm, sched)
+            return
         if not sched.has_unfinished():
             return
         t0 = time.monotonic()
@@ -419,12 +430,44 @@ class EngineLoop:
             return
         if ran is None:
             raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
-        t1 = time.monotonic()
+        self._account_log(sched, t0, time.monotonic())
+
+    def _account_log(self, sched, t0: float, t1: float) -> None:
         for entry in sched.step_log:
             self._account(entry, t0, t1)
             for log in self._collectors:
                 log.append(entry)
         sched.step_log.clear()
+
+    def _overlapped_step(self, llm, sched) -> None:
+        """Async scheduling: launch step N+1 (if anything can run), then complete step N.
+
+        A launch that raises fails the requests of its batch; a step whose samples cannot be read
+        (non-finite logits) fails the requests of its batch, whose rows in the step just launched
+        are then discarded."""
+        previous, self._in_flight = self._in_flight, None
+        launched = None
+        batch = sched.schedule() if sched.has_unfinished() else None
+        if batch is not None:
+            try:
+                launched = llm._launch(batch, self._seeds, previous)
+            except Exception as exc:
+                self._abort(sched, batch.batch_id, exc)
+        if previous is not None:
+            try:
+                tokens = previous.tokens()
+            except Exception as exc:
+                self._abort(sched, previous.batch.batch_id, exc)
+            else:
+                llm._complete(sched, previous, tokens)
+                self._account_log(sched, previous.launched_at, time.monotonic())
+        elif batch is None and sched.has_unfinished():
+            raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+        self._in_flight = launched
+
+    def _abort(self, sched, batch_id: int, error: BaseException) -> None:
+        for result in sched.abort(batch_id):
+            self._fail(self._handles[result.request_id], error)
 
     def _account(self, entry: dict, t0: float, t1: float) -> None:
         """Move each row's request to its state; hand each sampled token to its request; finish the

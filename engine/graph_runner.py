@@ -9,6 +9,9 @@ each replay, in ONE host-to-device copy of one int32 array laid out as
     [ token ids (B) | positions (B) | slot mapping (B) | page tables (B x W) ]      B = bucket
 
 with W = ceil(max_context / page_size) (1 for a contiguous cache: a slot is one page of max_context).
+The host side is double-buffered: with async scheduling the next step's inputs are packed while this
+step's copy may still wait its turn on the stream. A row whose token the previous step sampled on
+the device (async scheduling's feedback) gets it written into the device buffer before the replay.
 A padding row feeds token 0 at position 0 with slot -1 (kv_write writes nothing for a negative
 slot) and a page table of page 0 (it reads one key there, harmlessly); its logits are never read.
 
@@ -126,8 +129,10 @@ class DecodeGraphs:
         import cupy as cp
         self._cp = cp
         n = input_size(self.buckets[-1], self.width)
-        self._pinned = cp.cuda.alloc_pinned_memory(n * 4)          # async host -> device copies
-        self._host = np.frombuffer(self._pinned, np.int32, n)     # [n] staging of the packed inputs
+        self._pinned = [cp.cuda.alloc_pinned_memory(n * 4) for _ in range(2)]   # async host -> device
+        self._host = [np.frombuffer(p, np.int32, n) for p in self._pinned]      # 2 x [n] staging
+        self._copied = [cp.cuda.Event(disable_timing=True) for _ in range(2)]   # each one's last copy
+        self._turn = 0
         self._inputs = cp.zeros(n, dtype=cp.int32)                # [n] what every graph reads
         self._seq_idx = cp.arange(self.buckets[-1], dtype=cp.int32)   # row r is sequence r
         self._pool = cp.cuda.MemoryPool()
@@ -143,14 +148,20 @@ class DecodeGraphs:
         if bucket is None or fb.page_tables.shape[1] > self.width \
                 or int(fb.positions.max()) >= self.model.max_context:   # eager raises the usual error
             return None
-        check_ids(fb.token_ids, self.model.config.vocab_size)         # host ids: no device traffic
+        check_ids(fb.known_token_ids, self.model.config.vocab_size)   # host ids: no device traffic
         n = input_size(bucket, self.width)
-        pack_decode_inputs(fb, bucket, self.width, self._host)
+        self._turn ^= 1                       # the staging buffer not used by the previous step
+        host, copied = self._host[self._turn], self._copied[self._turn]
+        copied.synchronize()                  # its last copy has left (at once, unless steps overlap)
+        pack_decode_inputs(fb, bucket, self.width, host)
         cp, stream = self._cp, self._stream
         caller = cp.cuda.get_current_stream()
         self._ready.record(caller)            # our stream waits for whatever the caller queued
         stream.wait_event(self._ready)
-        self._inputs[:n].set(self._host[:n], stream=stream)
+        self._inputs[:n].set(host[:n], stream=stream)
+        copied.record(stream)
+        with stream:
+            fb.with_feedback(input_views(self._inputs, bucket, self.width)[0])
         if bucket not in self._graphs:
             try:
                 self._capture(bucket)

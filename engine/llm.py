@@ -18,10 +18,13 @@ sequence). Every combination returns the same greedy tokens: the tests hold them
 from __future__ import annotations
 
 import numbers
+import os
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from engine.backend import resolve_backend
 from engine.config import check_serving_args, load_config
@@ -30,8 +33,8 @@ from engine.graph_runner import DecodeGraphs
 from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.kv_cache import KVCache, kv_bytes_per_token
 from engine.model import ForwardBatch, Model, check_vocab_fits, load_model
-from engine.sampling import SamplingParams, sample, step_uniforms
-from engine.scheduler import ADMISSIONS, Scheduler
+from engine.sampling import SampledTokens, SamplingParams, start_sampling, step_uniforms
+from engine.scheduler import ADMISSIONS, Batch, Row, Scheduler
 
 BATCHING = ("continuous", "static")
 KV_CACHES = ("paged", "contiguous")
@@ -42,6 +45,15 @@ DEFAULT_MAX_CONTEXT = 4096
 # (the rest is for activations, the logits and cuBLAS workspaces), 1 GiB of host memory on the CPU.
 GPU_KV_FRACTION = 0.5
 CPU_KV_MIB = 1024.0
+ASYNC_SWITCH = "ENGINE_ASYNC_SCHEDULING"     # "0" turns async scheduling off
+
+
+def default_async_scheduling(backend, scheduler_cls) -> bool:
+    """On where there is something to overlap (a GPU) and the scheduler is the engine's own (a
+    learner's class of chapters 10-11 keeps the one-batch-at-a-time contract), unless
+    ENGINE_ASYNC_SCHEDULING=0."""
+    wanted = os.environ.get(ASYNC_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return wanted and backend.is_gpu and scheduler_cls is Scheduler
 
 
 @dataclass
@@ -65,6 +77,19 @@ class RowLabels:
     def __getitem__(self, r) -> str:
         row = self._rows[r]
         return f"request {row.request_id}, step {row.num_generated}"
+
+
+@dataclass
+class LaunchedStep:
+    """One batch queued on the device; tokens() waits for what its sampling rows sampled."""
+    batch: Batch
+    sampling: list[Row]                 # the rows that sample, in row order
+    sampled: SampledTokens | None       # None when no row samples (a step of prompt chunks only)
+    started: float                      # time.perf_counter() at launch
+    launched_at: float                  # time.monotonic() at launch (the clock of handles' timestamps)
+
+    def tokens(self) -> list[int]:
+        return self.sampled.wait(RowLabels(self.sampling)).tolist() if self.sampled is not None else []
 
 
 def default_max_context(model_max: int, kv_cache: str = "contiguous") -> int:
@@ -91,11 +116,14 @@ class LLM:
                  kv_cache_mib: float | None = None, *, max_context: int | None = None,
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
                  admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
-                 cuda_graphs: bool | None = None,
+                 cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
         """chunked_prefill: long prompts are prefilled in chunks of the step's token budget, mixed with
         the running requests' decodes (continuous batching; chapter 13). cuda_graphs: replay decode
         steps as CUDA graphs per batch size (default: on, unless ENGINE_CUDA_GRAPHS=0).
+        async_scheduling: the engine loop schedules step N+1 while the GPU runs step N (default: on a
+        GPU with the engine's own Scheduler, unless ENGINE_ASYNC_SCHEDULING=0; on the CPU there is
+        nothing to overlap: NumPy computes a step before the host can move on).
         scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
         exercises) runs in place of the engine's, with the same constructor arguments."""
         # every argument is checked against config.json before a weight is read
@@ -103,8 +131,9 @@ class LLM:
                                      ("admission", admission, ADMISSIONS)):
             if not isinstance(value, str) or value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True, False or None (the environment decides), got {cuda_graphs!r}")
+        for name, value in (("cuda_graphs", cuda_graphs), ("async_scheduling", async_scheduling)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (the environment decides), got {value!r}")
         if not isinstance(chunked_prefill, bool):
             raise ValueError(f"chunked_prefill must be True or False, got {chunked_prefill!r}")
         model_dir = Path(model_dir)
@@ -128,11 +157,14 @@ class LLM:
                                     (8192 if b.is_gpu else 2048), self.max_seqs)
         self.page_size = int(page_size)
         self.scheduler_cls, self.allocator_cls = scheduler_cls, allocator_cls
+        self.async_scheduling = (default_async_scheduling(b, scheduler_cls) if async_scheduling is None
+                                 else async_scheduling)
         self.cache = self._allocate_cache(kv_cache_mib)
         # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
         # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
         self.decode_graphs = DecodeGraphs(self.model, self.cache, self.max_seqs, enabled=cuda_graphs)
         self.last_step_log: list[dict] = []
+        self._last_completion = 0.0
         self._engine = EngineLoop(self)
         # GPU: a decode step of a single sequence (a chat, a lone request) replays a CUDA graph.
         self.use_cuda_graph = b.is_gpu and self.decode_graphs.enabled
@@ -157,7 +189,7 @@ class LLM:
             return KVCache.contiguous(self.config, self.max_seqs, self.max_context, self.backend)
         return KVCache.paged(self.config, mib, self.page_size, self.backend)
 
-    def new_scheduler(self, first_request_id: int = 0) -> Scheduler:
+    def new_scheduler(self, first_request_id: int = 0, *, async_scheduling: bool = False) -> Scheduler:
         if self.kv_cache_kind == "contiguous":
             allocator = SlotAllocator(self.cache.num_pages, self.max_context)
         else:
@@ -167,7 +199,8 @@ class LLM:
         eos = set(self.config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
                                   eos, policy=self.batching, admission=self.admission,
-                                  chunked_prefill=self.chunked_prefill, first_request_id=first_request_id)
+                                  chunked_prefill=self.chunked_prefill, first_request_id=first_request_id,
+                                  **({"async_scheduling": True} if async_scheduling else {}))
 
     # ---- serving -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -268,27 +301,58 @@ class LLM:
         batch = sched.schedule()
         if batch is None:
             return None
-        t0 = time.perf_counter()
-        sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
         try:
-            # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
-            logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
-            fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.page_tables,
-                              batch.slot_mapping, logits_rows=logits_rows)
-            logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
-            if logits is None and self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1:
-                logits = self._graph_decode(batch.rows[0])
-            if logits is None:
-                logits = self.model.forward(fb, self.cache)
-            tokens = []
-            if sampling:
-                uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
-                                         [row.num_generated for row in sampling])
-                tokens = sample(logits, [row.params for row in sampling], uniforms,
-                                labels=RowLabels(sampling)).tolist()
+            launched = self._launch(batch, seeds)
+            tokens = launched.tokens()
         except BaseException as exc:
             sched.fail(batch.batch_id)
             raise BatchFailed([row.request_id for row in batch.rows]) from exc
-        sched.complete(batch.batch_id, tokens)
-        sched.step_log[-1]["seconds"] = time.perf_counter() - t0
+        self._complete(sched, launched, tokens)
         return batch, tokens
+
+    def _launch(self, batch: Batch, seeds: dict[int, int], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the batch's forward pass and sampling on the device (on the CPU: run them).
+
+        Async scheduling: the batch's PENDING tokens are what `previous` (the batch still in flight)
+        samples; they are gathered from its device ids, so the host never waits for them."""
+        t0 = time.perf_counter()
+        sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
+        # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
+        logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
+        fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.page_tables,
+                          batch.slot_mapping, logits_rows=logits_rows, feedback=self._feedback(batch, previous))
+        logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
+        if logits is None and self.use_cuda_graph and batch.kind == "decode" and len(batch.rows) == 1 \
+                and fb.feedback is None:
+            logits = self._graph_decode(batch.rows[0])
+        if logits is None:
+            logits = self.model.forward(fb, self.cache)
+        sampled = None
+        if sampling:
+            uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
+                                     [row.num_generated for row in sampling])
+            sampled = start_sampling(logits, [row.params for row in sampling], uniforms)
+        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic())
+
+    def _feedback(self, batch: Batch, previous: LaunchedStep | None):
+        """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that
+        `previous` sampled for their requests)."""
+        pending = batch.pending_indices
+        if not pending.size:
+            return None
+        if previous is None or previous.sampled is None:
+            raise RuntimeError("a batch with pending tokens needs the samples of the batch in flight")
+        where = {row.request_id: i for i, row in enumerate(previous.sampling)}
+        row_of_token = np.repeat(np.arange(len(batch.rows), dtype=np.int32), batch.lengths)[pending]
+        src = np.fromiter((where[batch.rows[r].request_id] for r in row_of_token), dtype=np.int32,
+                          count=pending.size)
+        ids = previous.sampled.ids
+        return pending, ids[self.backend.xp.asarray(src) if self.backend.is_gpu else src]
+
+    def _complete(self, sched: Scheduler, launched: LaunchedStep, tokens: list[int]) -> None:
+        """Hand the sampled tokens to the scheduler. A step's `seconds` run from its launch, or from the
+        previous completion when steps overlap, so that the seconds of a log add up to its wall time."""
+        sched.complete(launched.batch.batch_id, tokens)
+        now = time.perf_counter()
+        sched.step_log[-1]["seconds"] = now - max(launched.started, self._last_completion)
+        self._last_completion = now

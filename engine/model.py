@@ -43,6 +43,8 @@ class ForwardBatch:
     page_tables [S, MB]   cache pages of each sequence (None without a cache)
     slot_mapping [T]       cache slot (page * page_size + offset) of each token (None without a cache)
     logits_rows  [R]       rows whose logits are wanted (None = every row)
+    feedback     (index [K] int32 host, ids [K] int32 on the backend) or None: async scheduling's tokens
+                 that the previous step sampled; token_ids[index] are placeholders (-1)
     """
 
     token_ids: np.ndarray
@@ -51,6 +53,26 @@ class ForwardBatch:
     page_tables: np.ndarray | None = None
     slot_mapping: np.ndarray | None = None
     logits_rows: np.ndarray | None = None
+    feedback: tuple | None = None
+
+    @property
+    def known_token_ids(self) -> np.ndarray:
+        """The token ids given on the host (all but the fed-back placeholders)."""
+        return self.token_ids if self.feedback is None else np.delete(self.token_ids, self.feedback[0])
+
+    def with_feedback(self, ids):
+        """`ids` [T] (token_ids on the backend) with the fed-back ids written in: in place on the GPU,
+        a copy on the CPU (where ids may be token_ids itself)."""
+        if self.feedback is None:
+            return ids
+        index, fed = self.feedback
+        if isinstance(ids, np.ndarray):
+            ids = ids.copy()
+            ids[index] = fed
+        else:
+            import cupy as cp
+            ids[cp.asarray(index)] = fed
+        return ids
 
     @property
     def num_tokens(self) -> int:
@@ -134,14 +156,15 @@ class Model:
         if batch.num_tokens and int(batch.positions.max()) >= self.max_context:
             raise ValueError(f"position {int(batch.positions.max())} is past the context of {self.max_context}")
         if batch.num_tokens:
-            check_ids(batch.token_ids, self.config.vocab_size)    # host ids: no device traffic
+            check_ids(batch.known_token_ids, self.config.vocab_size)    # host ids: no device traffic
             self._grow_rope(int(batch.positions.max()) + 1)
         if cache is None and not batch.fresh:
             raise ValueError("without a KV cache every sequence must start at position 0")
         dev = self._to_backend                                     # host int32 -> device once per step
         cached = cache is not None and not batch.fresh
+        ids = batch.with_feedback(dev(batch.token_ids))
         return self.run(
-            dev(batch.token_ids), dev(batch.positions), batch.cu_seqlens, cache,
+            ids, dev(batch.positions), batch.cu_seqlens, cache,
             slots=dev(batch.slot_mapping) if cache is not None else None,
             tables=dev(batch.page_tables) if cached else None,
             seq_idx=dev(batch.seq_idx) if cached else None,

@@ -170,16 +170,32 @@ def check_finite_rows(finite, labels=None) -> None:
                                    "was fed a token id it has no embedding for")
 
 
-def sample(logits, params: list[SamplingParams], uniforms, labels=None) -> np.ndarray:
-    """One token per row of logits [R, V] -> int32 [R] on the host.
+class SampledTokens:
+    """The ids one step sampled. `ids` ([R] int32 on the backend) exists at once, on the GPU before
+    the step has even run: async scheduling feeds it to the next step's inputs without a round trip
+    through the host. wait() returns them on the host ([R] int32), after checking that every row's
+    logits were finite (NonFiniteLogitsError names the bad rows by `labels`)."""
 
-    uniforms: R draws in [0, 1) (a list or a float64 array, step_uniforms); labels: R row names
-    for the error below (any sequence: llm.RowLabels formats them only when one is needed).
+    def __init__(self, host: np.ndarray, finite: np.ndarray, device=None, copied=None, keep=()):
+        self._host, self._finite = host, finite    # [R] int32, [R] (filled when `copied` fires)
+        self.ids = host if device is None else device
+        self._copied = copied                      # CUDA event after the device-to-host copy
+        self._keep = keep                          # buffers the copy reads and writes, alive until then
 
-    A row with NaN or inf raises NonFiniteLogitsError (naming it by `labels`): greedy would pick an
-    arbitrary id and sampling the last one. On the GPU only the R sampled ids and R finite flags
-    cross to the host, in one copy (argmax kernel when every row is greedy, the sampling kernel
-    otherwise).
+    def wait(self, labels=None) -> np.ndarray:
+        if self._copied is not None:
+            self._copied.synchronize()
+        check_finite_rows(self._finite.astype(bool), labels)
+        return self._host.copy()
+
+
+def start_sampling(logits, params: list[SamplingParams], uniforms) -> SampledTokens:
+    """Queue the sampling of one token per row of logits [R, V]; SampledTokens.wait() gives them.
+
+    uniforms: R draws in [0, 1) (a list or a float64 array, step_uniforms). On the GPU only the R
+    sampled ids and R finite flags cross to the host, in one asynchronous copy into pinned memory
+    (argmax kernel when every row is greedy, the sampling kernel otherwise); on the CPU, and with a
+    learner's sampling function plugged in, the ids are drawn at once.
     """
     R = len(params)
     plug = OVERRIDES.get("sampling")             # your stage (engine/plugins.py), if one is active
@@ -189,9 +205,10 @@ def sample(logits, params: list[SamplingParams], uniforms, labels=None) -> np.nd
             plug.require_function()
             draw = plug.fn
         rows = to_host(logits)
-        check_finite_rows(np.isfinite(rows).all(axis=1), labels)
-        return np.array([int(draw(rows[r], p.temperature, p.top_k, p.top_p, u))
-                         for r, (p, u) in enumerate(zip(params, uniforms, strict=True))], dtype=np.int32)
+        finite = np.isfinite(rows).all(axis=1)
+        return SampledTokens(np.array([int(draw(rows[r], p.temperature, p.top_k, p.top_p, u)) if finite[r] else 0
+                                       for r, (p, u) in enumerate(zip(params, uniforms, strict=True))],
+                                      dtype=np.int32), finite)
     import cupy as cp
     if plug is None and all(p.greedy for p in params):
         tokens = argmax_rows(logits)
@@ -204,7 +221,23 @@ def sample(logits, params: list[SamplingParams], uniforms, labels=None) -> np.nd
         defines = {"THREADS": SAMPLE_THREADS}
         kernel = plug.kernel(**defines) if plug is not None else load_kernel("sampling", "sample_rows", **defines)
         kernel((R,), (SAMPLE_THREADS,), (logits, *knobs, tokens, np.int32(V)))
-    finite = cp.isfinite(logits).all(axis=1).astype(cp.int32)                  # [R]
-    host = cp.asnumpy(cp.stack([tokens.astype(cp.int32, copy=False), finite]))  # [2, R]: one copy
-    check_finite_rows(host[1].astype(bool), labels)
-    return host[0]
+    tokens = tokens.astype(cp.int32, copy=False)
+    both = cp.stack([tokens, cp.isfinite(logits).all(axis=1).astype(cp.int32)])   # [2, R]: one copy
+    pinned = cp.cuda.alloc_pinned_memory(both.nbytes)
+    host = np.frombuffer(pinned, np.int32, both.size).reshape(2, R)
+    stream = cp.cuda.get_current_stream()
+    cp.cuda.runtime.memcpyAsync(host.ctypes.data, both.data.ptr, both.nbytes,
+                                cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    copied = cp.cuda.Event(disable_timing=True)
+    copied.record(stream)
+    return SampledTokens(host[0], host[1], device=tokens, copied=copied, keep=(pinned, both))
+
+
+def sample(logits, params: list[SamplingParams], uniforms, labels=None) -> np.ndarray:
+    """One token per row of logits [R, V] -> int32 [R] on the host: start_sampling(...).wait(labels).
+
+    labels: R row names for the error below (any sequence: llm.RowLabels formats them only when one
+    is needed). A row with NaN or inf raises NonFiniteLogitsError (naming it by `labels`): greedy
+    would pick an arbitrary id and sampling the last one.
+    """
+    return start_sampling(logits, params, uniforms).wait(labels)

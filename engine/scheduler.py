@@ -90,6 +90,21 @@ start_pos, tokens, samples] of every prefill row that holds only part of its seq
 many rows sampled), sampled_ids and sampled_tokens (which, and what), tokens and prefill_tokens,
 admitted, preempted, recomputed_tokens, reused_tokens, and the memory and queue figures after the step.
 submit() is allowed at any time; requests submitted while a batch is in flight survive fail().
+
+Async scheduling (`async_scheduling=True`, what the engine loop uses on a GPU): the host forms batch
+N+1 while the GPU still runs batch N, so the GPU never waits for Python between two steps. schedule()
+may then be called with one batch in flight. The token each row of N samples is not known yet: a
+request with such a *pending* token gets a decode row whose token id is PENDING (-1), and the runner
+feeds it on the device from batch N's sampled ids. A request whose pending token finishes it by
+length gets no row; one whose pending token turns out to be eos (or that is cancelled or stopped
+meanwhile) already has a row in N+1: that row still runs, and complete() discards its token
+(`discarded` in the step log). The rest of the contract changes in four places:
+- progress (num_computed) and page reservations count from schedule(), and are committed there;
+- a lookahead schedule() never preempts: when a row would need it, it changes nothing and returns
+  None (the runner completes batch N first and schedules again, with nothing in flight);
+- cancel() and drop_session() are allowed while batches are in flight (the pages of the request's
+  rows still in flight are written by the GPU before any later batch can reuse them: one stream);
+- a batch that fails is abort()ed: its requests end ("cancelled"), their pages are freed, not parked.
 """
 from __future__ import annotations
 
@@ -104,10 +119,11 @@ import numpy as np
 from engine.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.step_log import StepRecord
 
-__all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError",
+__all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError", "PENDING",
            "KVAllocator", "PageAllocator", "SlotAllocator"]
 
 POLICIES = ("static", "continuous")
+PENDING = -1     # a row's token id that the runner takes from the previous batch's samples (async scheduling)
 ADMISSIONS = ("conservative", "on_demand")
 
 
@@ -167,6 +183,11 @@ class Batch:
         """[T] int32, all rows' tokens packed one after another (no padding)."""
         return self._cached("token_ids", lambda: np.fromiter(
             itertools.chain.from_iterable(row.token_ids for row in self.rows), dtype=np.int32, count=self.num_tokens))
+
+    @property
+    def pending_indices(self) -> np.ndarray:
+        """[K] int32, packed tokens that are PENDING (async scheduling: sampled by the batch in flight)."""
+        return self._cached("pending_indices", lambda: np.flatnonzero(self.token_ids == PENDING).astype(np.int32))
 
     @property
     def lengths(self) -> np.ndarray:
@@ -259,13 +280,26 @@ class _Request:
     num_computed: int = 0   # leading tokens whose K/V are in the cache (0 again after a preemption)
     num_lost: int = 0       # tokens it had computed when it was last preempted: computed again later
     num_reused: int = 0     # leading tokens adopted from its session's parked pages at admission
+    pending: int = 0        # async scheduling: tokens sampled by batches in flight, not known yet
 
     @property
     def num_tokens(self) -> int:
+        """Its tokens, counting the pending ones."""
+        return len(self.prompt_ids) + len(self.generated) + self.pending
+
+    @property
+    def num_known(self) -> int:
+        """Its tokens whose ids are known (prompt + generated)."""
         return len(self.prompt_ids) + len(self.generated)
 
     @property
+    def num_sampled(self) -> int:
+        """Tokens sampled so far, the pending ones included."""
+        return len(self.generated) + self.pending
+
+    @property
     def tokens(self) -> list[int]:
+        """prompt + generated (the known tokens)."""
         return self.prompt_ids + self.generated
 
     @property
@@ -313,6 +347,10 @@ class _InFlight:
     arrived_before: int     # next request id when the batch was scheduled
 
 
+class _Declined(Exception):
+    """A lookahead schedule() would have to preempt: it is undone and returns None."""
+
+
 class Scheduler:
     """Static or continuous batching over a KVAllocator (SlotAllocator or PageAllocator).
 
@@ -323,7 +361,8 @@ class Scheduler:
 
     def __init__(self, allocator: KVAllocator, max_seqs: int, max_batch_tokens: int,
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
-                 admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0):
+                 admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0,
+                 async_scheduling: bool = False):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -348,6 +387,7 @@ class Scheduler:
         self.policy = policy
         self.admission = admission
         self.chunked_prefill = bool(chunked_prefill)
+        self.async_scheduling = bool(async_scheduling)
 
         self._requests: dict[int, _Request] = {}   # live requests: waiting or running
         self._waiting: deque[int] = deque()        # FIFO; preempted requests go back to the head
@@ -357,7 +397,7 @@ class Scheduler:
         self._group_decoding = False               # static: the group is sealed once it decodes
         self._next_request_id = first_request_id   # a replacement scheduler continues the numbering
         self._next_batch_id = 0
-        self._in_flight: _InFlight | None = None
+        self._in_flight: dict[int, _InFlight] = {}   # batch id -> batch, oldest first (async: up to 2)
         self._logged_request_id = 0                # requests below this id arrived before a logged step
         self.num_preemptions = 0
         self.num_steps = 0                         # completed steps (step_log may be drained by a loop)
@@ -421,34 +461,47 @@ class Scheduler:
         (With live requests there is always something to run: the oldest running request alone
         always fits, and a waiting head always fits an empty pool, or submit() refused it.)
         """
-        if self._in_flight is not None:
-            raise SchedulerError(f"batch {self._in_flight.batch.batch_id} is still in flight: "
+        if len(self._in_flight) >= (2 if self.async_scheduling else 1):
+            raise SchedulerError(f"batch {next(iter(self._in_flight))} is still in flight: "
                                  f"complete() or fail() it first")
         if self.allocator.in_transaction:
             raise SchedulerError("the allocator has uncommitted changes made outside the scheduler")
         saved = self._save()
-        if self.chunked_prefill and self.policy == "continuous":
-            rows, preempted = self._mixed_rows()
-        else:
-            rows, preempted = self._prefill_rows()
-            if not rows:
-                rows, more = self._decode_rows()
-                preempted += more
-                self._group_decoding = bool(rows) and self.policy == "static"
+        try:
+            rows, preempted = self._next_rows()
+        except _Declined:                 # lookahead only: put everything back, run nothing yet
+            self._restore(saved)
+            return None
         if not rows:
             return None
         kinds = {row.kind for row in rows}
         kind = kinds.pop() if len(kinds) == 1 else "mixed"
         batch = Batch(self._next_batch_id, kind, rows, self.allocator.page_size)
         self._next_batch_id += 1
-        self._in_flight = _InFlight(batch, saved, self._log_entry(batch, preempted),
-                                    self._next_request_id)
+        self._in_flight[batch.batch_id] = _InFlight(batch, saved, self._log_entry(batch, preempted),
+                                                    self._next_request_id)
+        if self.async_scheduling:         # progress counts from here: the next batch continues after it
+            for row in rows:
+                request = self._requests[row.request_id]
+                request.num_computed = row.context_len
+                request.pending += row.samples
+            self.allocator.commit()
         return batch
+
+    def _next_rows(self) -> tuple[list[Row], list[int]]:
+        if self.chunked_prefill and self.policy == "continuous":
+            return self._mixed_rows()
+        rows, preempted = self._prefill_rows()
+        if not rows:
+            rows, more = self._decode_rows()
+            preempted += more
+            self._group_decoding = bool(rows) and self.policy == "static"
+        return rows, preempted
 
     def complete(self, batch_id: int, sampled_tokens) -> None:
         """Accept one sampled token per sampling row (batch.sampling_rows, in row order): commit the
         step, finish requests."""
-        flight = self._flight(batch_id)
+        flight = self._flight(batch_id, oldest=True)
         tokens = [operator.index(t) for t in sampled_tokens]
         sampling = [row for row in flight.batch.rows if row.samples]
         if len(tokens) != len(sampling):
@@ -456,28 +509,75 @@ class Scheduler:
                              f"got {len(tokens)} sampled tokens")
         if tokens and min(tokens) < 0:
             raise ValueError(f"sampled token ids must be >= 0, got {min(tokens)}")
-        self._in_flight = None
-        for row in flight.batch.rows:
-            self._requests[row.request_id].num_computed = row.context_len
-        finished = []
+        del self._in_flight[batch_id]
+        entry = flight.log_entry
+        # async: a request that ended while this batch was in flight has no use for its row's token
+        discarded = {row.request_id for row in flight.batch.rows if row.request_id not in self._requests}
+        if not self.async_scheduling:
+            for row in flight.batch.rows:
+                self._requests[row.request_id].num_computed = row.context_len
+        finished, kept = [], []
         for row, token in zip(sampling, tokens, strict=True):
-            request = self._requests[row.request_id]
+            request = self._requests.get(row.request_id)
+            if request is None:
+                continue
+            if self.async_scheduling:
+                request.pending -= 1
             request.generated.append(token)
+            kept.append(token)
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finished.append(self._retire(request, reason))
                 finished.append(request.request_id)
         self.allocator.commit()
-        flight.log_entry["finished"] = finished
-        flight.log_entry["sampled_tokens"] = tokens
+        if discarded:
+            self._drop_rows(entry, discarded)
+        entry["finished"] = finished
+        entry["sampled_tokens"] = kept
         self.num_steps += 1
-        self.step_log.append(flight.log_entry)
-        self._logged_request_id = flight.arrived_before
+        self.step_log.append(entry)
+        self._logged_request_id = max(self._logged_request_id, flight.arrived_before)
+
+    @staticmethod
+    def _drop_rows(entry: StepRecord, discarded: set[int]) -> None:
+        """Take the rows of requests that ended while the batch was in flight out of its record's
+        per-request lists; rows and tokens still count them (they ran)."""
+        keep = [i for i, rid in enumerate(entry["request_ids"]) if rid not in discarded]
+        entry["start_positions"] = [entry["start_positions"][i] for i in keep]
+        entry["request_ids"] = [entry["request_ids"][i] for i in keep]
+        for key in ("prefill_ids", "sampled_ids", "admitted"):
+            entry[key] = [rid for rid in entry[key] if rid not in discarded]
+        entry["chunks"] = [chunk for chunk in entry["chunks"] if chunk[0] not in discarded]
+        entry["sampled"] = len(entry["sampled_ids"])
+        entry["discarded"] = sorted(discarded)
 
     def fail(self, batch_id: int) -> None:
-        """Forget the batch: every piece of state goes back to what it was before schedule()."""
+        """Forget the batch: every piece of state goes back to what it was before schedule().
+        (Async scheduling commits at schedule(): there a failed batch is abort()ed instead.)"""
+        if self.async_scheduling:
+            raise SchedulerError("with async scheduling a failed batch is abort()ed, not failed")
         saved = self._flight(batch_id).saved
-        self._in_flight = None
+        del self._in_flight[batch_id]
+        self._restore(saved)
+
+    def abort(self, batch_id: int) -> list[Result]:
+        """Async scheduling: a batch that failed (or whose samples cannot be trusted) ends every request
+        that has a row in it, "cancelled", with its pages freed (they may be half-written, so they are
+        not parked for a session); their rows in a later batch are discarded. Returns their results."""
+        flight = self._flight(batch_id)
+        del self._in_flight[batch_id]
+        results = []
+        for request_id in dict.fromkeys(row.request_id for row in flight.batch.rows):
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.session = None
+                if request.status == "waiting":
+                    self._waiting.remove(request_id)
+                results.append(self._retire(request, "cancelled"))
+        self.allocator.commit()
+        return results
+
+    def _restore(self, saved: _Saved) -> None:
         self.allocator.rollback()
         arrived_since = [rid for rid in self._waiting if rid >= saved.next_request_id]
         self._waiting = deque(saved.waiting + arrived_since)
@@ -497,7 +597,7 @@ class Scheduler:
 
         The result is returned here, not through pop_finished(). Between steps only.
         """
-        if self._in_flight is not None:
+        if self._in_flight and not self.async_scheduling:
             raise SchedulerError("cancel() between steps only: a batch is in flight")
         request = self._requests.get(request_id)
         if request is None:
@@ -510,7 +610,7 @@ class Scheduler:
 
     def drop_session(self, session) -> None:
         """Free the pages parked for `session` (if any). Between steps only."""
-        if self._in_flight is not None:
+        if self._in_flight and not self.async_scheduling:
             raise SchedulerError("drop_session() between steps only: a batch is in flight")
         parked = self._parked.pop(session, None)
         if parked is not None:
@@ -534,7 +634,7 @@ class Scheduler:
         return {
             "policy": self.policy,
             "admission": self.admission,
-            "in_flight": None if self._in_flight is None else self._in_flight.batch.batch_id,
+            "in_flight": next(iter(self._in_flight), None),     # the oldest batch in flight
             "step": self.num_steps,
             "waiting": list(self._waiting),
             "running": list(self._running),
@@ -565,7 +665,7 @@ class Scheduler:
         """A prefill batch: the chunks of requests part-way through their prompt (chunked prefill
         only), then newly admitted requests from the head of the queue."""
         prefilling = [rid for rid in self._running if self._requests[rid].num_remaining > 1
-                      or not self._requests[rid].generated]
+                      or not self._requests[rid].num_sampled]
         rows, preempted = self._advance(prefilling, self.max_batch_tokens, in_step=set())
         used = sum(len(row.token_ids) for row in rows)
         return rows + self._admit(self.max_batch_tokens - used, alone_if_long=not rows), preempted
@@ -670,8 +770,8 @@ class Scheduler:
         rows, preempted = [], []
         for rid in request_ids:
             request = self._requests[rid]
-            if request.status != "running":     # preempted for an older request of this step
-                continue
+            if request.status != "running" or self._finishes_pending(request):
+                continue      # preempted for an older request of this step; ends with its pending token
             chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
             if chunk < 1:
                 break
@@ -679,6 +779,8 @@ class Scheduler:
                 if self._parked and request.num_computed + chunk <= self.allocator.max_seq_len:
                     self._evict_oldest_parked()   # cached pages go before anyone is preempted
                     continue
+                if self._in_flight:               # a lookahead never preempts (see the module docstring)
+                    raise _Declined
                 victim = next(v for v in reversed(self._running) if v not in in_step)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -690,6 +792,11 @@ class Scheduler:
                 if budget is not None:
                     budget -= chunk
         return rows, preempted
+
+    def _finishes_pending(self, request: _Request) -> bool:
+        """Async: the request's pending token will end it by length (it needs no further row)."""
+        return bool(request.pending) and (request.num_sampled >= request.max_new_tokens
+                                          or request.num_tokens >= self.max_context)
 
     def _preempt(self, request_id: int) -> None:
         request = self._requests[request_id]
@@ -705,19 +812,20 @@ class Scheduler:
         """Reserve memory for the next `chunk` tokens of a request and describe them as a row."""
         start, end = request.num_computed, request.num_computed + chunk
         self.allocator.reserve(request.request_id, end)
-        decode = chunk == 1 and request.generated and end == request.num_tokens
+        decode = chunk == 1 and request.num_sampled and end == request.num_tokens
         prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
         tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
             else request.tokens[start:end]
+        tokens += [PENDING] * (chunk - len(tokens))    # async: sampled by the batch in flight
         return Row(request.request_id, tokens, start,
                    self.allocator.page_table(request.request_id), request.params,
-                   len(request.generated), samples=end == request.num_tokens,
+                   request.num_sampled, samples=end == request.num_tokens,
                    kind="decode" if decode else "prefill")
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in self.eos_token_ids and not request.ignore_eos:
             return "stop"
-        if len(request.generated) >= request.max_new_tokens or request.num_tokens >= self.max_context:
+        if len(request.generated) >= request.max_new_tokens or request.num_known >= self.max_context:
             return "length"
         return None
 
@@ -730,7 +838,8 @@ class Scheduler:
                 if old is not None:
                     self.allocator.free(old.seq_id)
                 # what the cache holds: all but the last sampled token, or less if cancelled mid-prompt
-                cached = request.tokens[:request.num_computed]
+                # (async: rows still in flight may have computed more, but only known tokens can be reused)
+                cached = request.tokens[:min(request.num_computed, request.num_known - 1)]
                 self._parked[request.session] = _Parked(request.request_id, cached)
             else:
                 self.allocator.free(request.request_id)
@@ -743,11 +852,13 @@ class Scheduler:
         """Static: members already finished but still holding their seat in the group."""
         return sum(member not in self._requests for member in self._group)
 
-    def _flight(self, batch_id: int) -> _InFlight:
-        if self._in_flight is None or self._in_flight.batch.batch_id != batch_id:
-            current = None if self._in_flight is None else self._in_flight.batch.batch_id
-            raise SchedulerError(f"batch {batch_id} is not in flight (in flight: {current})")
-        return self._in_flight
+    def _flight(self, batch_id: int, oldest: bool = False) -> _InFlight:
+        """The in-flight batch batch_id (with `oldest`: it must be the oldest, batches complete in order)."""
+        ids = list(self._in_flight)
+        if batch_id not in self._in_flight or (oldest and batch_id != ids[0]):
+            raise SchedulerError(f"batch {batch_id} is not {'the oldest batch ' if oldest else ''}in flight "
+                                 f"(in flight: {ids or None})")
+        return self._in_flight[batch_id]
 
     def _save(self) -> _Saved:
         return _Saved(list(self._waiting), list(self._running),
@@ -768,8 +879,9 @@ class Scheduler:
         in_batch = {row.request_id for row in batch.rows}
         cached = sum(row.context_len for row in batch.rows) + sum(
             self._requests[rid].num_computed for rid in self._running if rid not in in_batch)
+        arrived_from = max([self._logged_request_id] + [f.arrived_before for f in self._in_flight.values()])
         return {
-            "step": self.num_steps,
+            "step": self.num_steps + len(self._in_flight),
             "batch_id": batch.batch_id,
             "kind": batch.kind,
             "request_ids": [row.request_id for row in batch.rows],
@@ -784,7 +896,7 @@ class Scheduler:
             "tokens": batch.num_tokens,
             "prefill_tokens": sum(len(row.token_ids) for row in prefill_rows),
             "context_tokens": int(batch.context_lens.sum()),
-            "arrived": list(range(self._logged_request_id, self._next_request_id)),
+            "arrived": list(range(arrived_from, self._next_request_id)),
             "admitted": [row.request_id for row in first_rows if not self._requests[row.request_id].num_preemptions],
             # tokens computed a second time because a preemption threw their K/V away
             "recomputed_tokens": sum(max(0, min(row.context_len, self._requests[row.request_id].num_lost)

@@ -25,3 +25,14 @@ def tiny_chat_dir(tmp_path_factory):
     """tests/helpers/serve.py's tiny chat model (random weights, Llama 3's tokenizer); read-only."""
     from helpers.serve import write_tiny_chat_model
     return write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def both_schedulings(request):
+    """Run a module's tests with the engine loop scheduling one step at a time, then again with async
+    scheduling (which the engine turns on only on a GPU: here the CPU runs the same overlapped loop).
+    Module fixtures that build an LLM must depend on this one."""
+    import engine.llm
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.llm, "default_async_scheduling", lambda backend, scheduler_cls: request.param)
+        yield request.param

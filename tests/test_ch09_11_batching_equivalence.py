@@ -134,9 +134,10 @@ def test_chat_session_equals_no_cache(workload):
     assert got == workload.expected
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("batching,kv_cache,kwargs", ROOMY, ids=[f"{b}-{k}-{i}" for i, (b, k, _) in enumerate(ROOMY)])
-def test_llm_generate_equals_no_cache(workload, batching, kv_cache, kwargs):
-    llm = workload.llm(batching, kv_cache, **kwargs)
+def test_llm_generate_equals_no_cache(workload, batching, kv_cache, kwargs, async_scheduling):
+    llm = workload.llm(batching, kv_cache, async_scheduling=async_scheduling, **kwargs)
     assert outputs(llm.generate(workload.prompts, workload.params)) == workload.expected
     assert not any(entry["preempted"] for entry in llm.last_step_log)     # conservative: never
     if llm.max_batch_tokens < max(map(len, workload.prompts)):            # chunked, and it shows
@@ -161,6 +162,9 @@ def test_tight_pool_equals_no_cache(workload, batching, kv_cache, kwargs, pressu
     llm = workload.llm(batching, kv_cache, **kwargs)
     assert llm.cache.num_pages == 8
     assert outputs(llm.generate(workload.prompts, workload.params)) == workload.expected
+    # async scheduling: the same tokens; a lookahead that would preempt waits for the step in flight
+    overlapped = workload.llm(batching, kv_cache, async_scheduling=True, **kwargs)
+    assert outputs(overlapped.generate(workload.prompts, workload.params)) == workload.expected
     log = llm.last_step_log
     if pressure == "waits":
         assert any(entry["waiting"] > 0 for entry in log), "the pool was meant to make requests wait"

@@ -402,7 +402,7 @@ def simulate(setup, fail_rate, cancel_rate):
         check_batch(sched, setup, batch, before, generated, worst, group, group_decoded)
         admitted = [r.request_id for r in batch.rows
                     if r.kind == "prefill" and r.start_pos == 0 and r.request_id not in first_admissions]
-        assert admitted == sched._in_flight.log_entry["admitted"]
+        assert admitted == sched._in_flight[batch.batch_id].log_entry["admitted"]
         if setup["policy"] == "static":
             if admitted:
                 assert not group_decoded, "static admitted while its group was decoding"
@@ -446,7 +446,7 @@ def check_batch(sched, setup, batch, before, generated, worst, group, group_deco
         request = sched._requests[row.request_id]
         sequence = request.prompt_ids + generated[row.request_id]
         # a row continues where the cache ends (0 for a newcomer or a preempted request)
-        preempted_now = row.request_id in sched._in_flight.log_entry["preempted"]
+        preempted_now = row.request_id in sched._in_flight[batch.batch_id].log_entry["preempted"]
         assert row.start_pos == (0 if preempted_now else before["num_computed"].get(row.request_id, 0))
         assert row.token_ids == sequence[row.start_pos:row.context_len]
         assert row.samples == (row.context_len == len(sequence))
@@ -574,7 +574,7 @@ def test_sessions_reuse_pages_and_stay_exact(admission, seed, chunked):
             sched.allocator.check_invariants()
             continue
         # a request's first row after admission starts after the prefix it adopted
-        preempted = set(sched._in_flight.log_entry["preempted"])
+        preempted = set(sched._in_flight[batch.batch_id].log_entry["preempted"])
         started -= preempted
         first = sum(row.start_pos for row in batch.rows if row.request_id not in started)
         assert all(row.kind == "prefill" for row in batch.rows if row.request_id not in started)

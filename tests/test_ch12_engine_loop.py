@@ -15,6 +15,7 @@ from helpers.oracle import ForwardCounter, gen_model_dir, greedy_no_cache
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("both_schedulings")
 MAX_CONTEXT = 64
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -29,7 +30,7 @@ def random_prompts(n, seed=0, vocab=331, longest=20):
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(both_schedulings):
     return make_llm(max_seqs=6)
 
 

@@ -48,7 +48,7 @@ def test_sampling_params_stop_is_validated_and_normalized():
 # ---- in the engine: LLM.generate and streamed handles ---------------------------------------------
 
 @pytest.fixture(scope="module")
-def llm(tiny_chat_dir):
+def llm(tiny_chat_dir, both_schedulings):
     from engine.llm import LLM
     return LLM(tiny_chat_dir, backend="numpy", max_context=128)
 
