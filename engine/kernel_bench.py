@@ -18,6 +18,7 @@ slows each launch down by orders of magnitude.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -438,14 +439,17 @@ class Bench:
             big = S * max(ctxs) >= 8192
             ref = None if big else paged_attention_ref(split_qkv(qkv_h, cfg)[0], kc_h, vc_h, tables_h, seq_h, pos_h,
                                                        D ** -0.5).reshape(S, -1)
-            for sp in ([1, splits] if splits else [None]):
+            for sp, tc in itertools.product([1, splits] if splits else [None], [True, False]):
+                def run(sp=sp, tc=tc):
+                    return paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp, tensor_cores=tc)
                 with self.poisoned():
-                    out = paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp)
+                    out = run()
                 err = rel_err(bf16_to_f32(out.get()), ref) if ref is not None else \
                     self._paged_spot_check(out, qkv_h, kc_h, vc_h, tables_h, seq_h, pos_h, cfg)
-                ms = self.time_ms(lambda: paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=sp))
+                ms = self.time_ms(run)
                 kv_bytes = sum(ctxs) * Hkv * D * 2 * 2
-                self.record("paged_attention decode", f"Hq={Hq} Hkv={Hkv} D={D} BS={BS} ctx={_short(ctxs)} splits={sp or 'auto'}",
+                self.record(f"paged_attention decode ({'tensor' if tc else 'CUDA'} cores)",
+                            f"Hq={Hq} Hkv={Hkv} D={D} BS={BS} ctx={_short(ctxs)} splits={sp or 'auto'}",
                             err, BF16_TOL, ms, kv_bytes)
         # kv_write into shuffled slots
         cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": 2048, "intermediate_size": 8,
@@ -545,7 +549,9 @@ class Bench:
             versions = [("paged_attention_naive (1 warp per query head)",
                          lambda: paged_attention_naive(qkv, kc, vc, *args, cfg)),
                         ("paged_attention (cp.async pipeline, GQA-shared K/V)",
-                         lambda: paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=1))]
+                         lambda: paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=1, tensor_cores=False)),
+                        ("paged_attention_tc (the GQA group on the tensor cores)",
+                         lambda: paged_attention(qkv, kc, vc, *args, cfg, max(ctxs), splits=1, tensor_cores=True))]
             for name, fn in versions:
                 with self.poisoned():
                     out = fn()

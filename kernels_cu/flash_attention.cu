@@ -35,6 +35,7 @@
 // tile, a multiple of 16), PAGED (0: keys from qkv, 1: from the paged cache).
 // The tensor-core instructions need sm_80+; older GPUs use the chapter 06 / 11 kernels instead.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -55,43 +56,6 @@
 static_assert(HEAD_DIM == 16 || HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 16, 32, 64 or 128");
 static_assert(BLOCK_N % 16 == 0, "BLOCK_N: a multiple of 16 (the k of the P V product)");
 static_assert((BLOCK_M + 2 * BLOCK_N) * HEAD_DIM * 2 <= 48 * 1024, "Q, K and V tiles exceed 48 KB of static shared memory");
-
-// Element offset of 16-byte chunk c of row r in a [rows][HEAD_DIM] tile. The chunk index is
-// XOR-swizzled with the row so that the 8 row addresses of one ldmatrix phase (same chunk, 8
-// consecutive rows) land in 8 different 16-byte bank groups: no bank conflicts, no padding.
-__device__ __forceinline__ int tile_offset(int r, int c) {
-#if CHUNKS >= 8
-    return r * HEAD_DIM + ((c ^ (r & 7)) << 3);
-#else
-    return r * HEAD_DIM + ((c ^ ((r / (8 / CHUNKS)) & (CHUNKS - 1))) << 3);
-#endif
-}
-
-#if __CUDA_ARCH__ >= 800
-__device__ __forceinline__ unsigned smem_addr(const bf16* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-// Four 8x8 bf16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-// c[16x8] += a[16x16] b[16x8], bf16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {     // lo -> bits 0..15
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const unsigned*>(&v);
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q_row_stride]: head h at column h*D
@@ -139,7 +103,7 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
 #pragma unroll
         for (int i = threadIdx.x; i < BLOCK_N * CHUNKS; i += THREADS) {
             const int r = i / CHUNKS, c = i % CHUNKS, j = key0 + r;
-            bf16* d = dst + tile_offset(r, c);
+            bf16* d = dst + tile_offset<HEAD_DIM>(r, c);
             if (j < kv_len) {
 #if PAGED
                 const long long row = (long long)table[j / page_size] * page_size + j % page_size;
@@ -156,7 +120,7 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
 #pragma unroll
     for (int i = threadIdx.x; i < BLOCK_M * CHUNKS; i += THREADS) {
         const int r = i / CHUNKS, c = i % CHUNKS;
-        bf16* d = q_tile + tile_offset(r, c);
+        bf16* d = q_tile + tile_offset<HEAD_DIM>(r, c);
         if (r < q_len) cp_async16(d, q + (long long)(q_begin + r) * q_row_stride + head * HEAD_DIM + c * 8);
         else *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
     }
@@ -177,7 +141,7 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
         if (kt == 0) {
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-                ldmatrix_x4(qf[kk], q_tile + tile_offset(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+                ldmatrix_x4(qf[kk], q_tile + tile_offset<HEAD_DIM>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
         }
         load_kv_tile(v_tile, v_src, key0);       // V streams in while S is computed
         cp_async_commit();
@@ -195,7 +159,7 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
                     // matrices: keys +0..7 dims lo, keys +0..7 dims hi, keys +8..15 dims lo, keys +8..15 dims hi
                     unsigned b[4];
                     const int mi = lane >> 3;
-                    ldmatrix_x4(b, k_tile + tile_offset(nb2 * 16 + ((mi >> 1) << 3) + (lane & 7), 2 * kk + (mi & 1)));
+                    ldmatrix_x4(b, k_tile + tile_offset<HEAD_DIM>(nb2 * 16 + ((mi >> 1) << 3) + (lane & 7), 2 * kk + (mi & 1)));
                     mma_bf16(s[2 * nb2], qf[kk], b[0], b[1]);
                     mma_bf16(s[2 * nb2 + 1], qf[kk], b[2], b[3]);
                 }
@@ -264,7 +228,7 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
                     // matrices: keys +0..7 dims lo, keys +8..15 dims lo, keys +0..7 dims hi, keys +8..15 dims hi
                     unsigned b[4];
                     const int mi = lane >> 3;
-                    ldmatrix_x4_trans(b, v_tile + tile_offset(kk * 16 + ((mi & 1) << 3) + (lane & 7), 2 * nd2 + (mi >> 1)));
+                    ldmatrix_x4_trans(b, v_tile + tile_offset<HEAD_DIM>(kk * 16 + ((mi & 1) << 3) + (lane & 7), 2 * nd2 + (mi >> 1)));
                     mma_bf16(acc[2 * nd2], pf[kk], b[0], b[1]);
                     mma_bf16(acc[2 * nd2 + 1], pf[kk], b[2], b[3]);
                 }
@@ -281,8 +245,8 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
     const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
 #pragma unroll
     for (int nd = 0; nd < HEAD_DIM / 8; ++nd) {
-        *reinterpret_cast<unsigned*>(q_tile + tile_offset(row0, nd) + 2 * t) = pack_bf16(acc[nd][0] * inv0, acc[nd][1] * inv0);
-        *reinterpret_cast<unsigned*>(q_tile + tile_offset(row1, nd) + 2 * t) = pack_bf16(acc[nd][2] * inv1, acc[nd][3] * inv1);
+        *reinterpret_cast<unsigned*>(q_tile + tile_offset<HEAD_DIM>(row0, nd) + 2 * t) = pack_bf16(acc[nd][0] * inv0, acc[nd][1] * inv0);
+        *reinterpret_cast<unsigned*>(q_tile + tile_offset<HEAD_DIM>(row1, nd) + 2 * t) = pack_bf16(acc[nd][2] * inv1, acc[nd][3] * inv1);
     }
     __syncwarp();
 #pragma unroll
@@ -290,7 +254,7 @@ flash_attention(const bf16* __restrict__ q, long long q_row_stride,     // [T, q
         const int r = warp * 16 + i / CHUNKS, c = i % CHUNKS;
         if (r < q_len)
             *reinterpret_cast<uint4*>(out + (long long)(q_begin + r) * out_row_stride + head * HEAD_DIM + c * 8) =
-                *reinterpret_cast<const uint4*>(q_tile + tile_offset(r, c));
+                *reinterpret_cast<const uint4*>(q_tile + tile_offset<HEAD_DIM>(r, c));
     }
 #else
     __trap();   // needs sm_80+ (bf16 mma.sync); engine/ops/flash_attention.py never launches it below that

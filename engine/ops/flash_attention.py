@@ -105,7 +105,8 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens,
 
 
 @functools.cache
-def _tensor_cores_usable(device_id: int) -> bool:
+def tensor_cores_usable(device_id: int) -> bool:
+    """bf16 mma.sync: sm_80 (Ampere) or newer."""
     import cupy
     return int(cupy.cuda.Device(device_id).compute_capability) >= 80
 
@@ -115,7 +116,7 @@ def kernel_supports(config: LlamaConfig) -> bool:
     newer, and the tiles are specialized for head_dim 16/32/64/128. Otherwise the model falls back
     to the chapter 06 (cuBLAS + causal softmax) and chapter 11 (paged) kernels."""
     import cupy
-    return config.head_dim in KERNEL_HEAD_DIMS and _tensor_cores_usable(cupy.cuda.Device().id)
+    return config.head_dim in KERNEL_HEAD_DIMS and tensor_cores_usable(cupy.cuda.Device().id)
 
 
 def flash_attention(qkv, cu_seqlens, positions, config: LlamaConfig, k_cache=None, v_cache=None, page_tables=None,

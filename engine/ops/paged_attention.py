@@ -17,10 +17,19 @@ import numpy as np
 from engine.backend import KERNELS_DIR, is_device_array, load_kernel, load_source, sm_count
 from engine.config import ConfigError, LlamaConfig
 from engine.ops.attention import softmax, split_qkv
+from engine.ops.flash_attention import tensor_cores_usable
 from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
 NAIVE_SOURCE = KERNELS_DIR / "exercises" / "solutions" / "paged_attention.cu"   # the ladder's first rung
 NWARPS = 4          # warps per thread block of kernels_cu/paged_attention.cu (passed to it as -DNWARPS)
+
+
+def tensor_core_warps(head_dim: int) -> int | None:
+    """Warps per block of paged_attention_tc for this head_dim (its K/V pipeline fills 48 KB of shared
+    memory: fewer warps for bigger heads), None where it does not apply (its TC_SHAPE_OK)."""
+    if head_dim % 16 or head_dim > 128:
+        return None
+    return NWARPS if head_dim <= 64 else 2
 
 
 def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
@@ -98,12 +107,14 @@ def choose_splits(rows: int, n_kv_heads: int, max_context: int, n_sms: int) -> i
 
 
 def paged_attention(qkv, k_cache, v_cache, page_tables, seq_idx, positions, config: LlamaConfig,
-                    max_context: int, splits: int | None = None):
+                    max_context: int, splits: int | None = None, tensor_cores: bool | None = None):
     """Attention of every row of qkv [R, (Hq+2Hkv)*D] over the cache -> [R, Hq*D].
 
-    CPU: fp32 reference. GPU: the paged_attention kernel, split along the context (plus the merge
-    kernel) when there are too few rows to fill the GPU. `max_context` bounds positions + 1 (the
-    longest context in the batch: it sizes the split).
+    CPU: fp32 reference. GPU: the decode kernel, split along the context (plus the merge kernel) when
+    there are too few rows to fill the GPU: paged_attention_tc on the tensor cores where it applies
+    (sm_80+, head_dim a multiple of 16 up to 128; `tensor_cores=False` forces the CUDA-core kernel,
+    for comparisons). `max_context` bounds positions + 1 (the longest context in the batch: it sizes
+    the split).
     """
     scale = config.head_dim ** -0.5
     Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -126,15 +137,19 @@ def paged_attention(qkv, k_cache, v_cache, page_tables, seq_idx, positions, conf
         return out
     if splits is None:
         splits = choose_splits(R, Hkv, max_context, sm_count(cp.cuda.Device().id))
-    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv, NWARPS=NWARPS)
+    warps = tensor_core_warps(D) if plug is None and tensor_cores is not False else None
+    if warps is not None and not tensor_cores_usable(cp.cuda.Device().id):
+        warps = None
+    name = "paged_attention" if warps is None else "paged_attention_tc"
+    warps = warps or NWARPS
+    kernel_args = dict(HEAD_DIM=D, GROUP=Hq // Hkv, NWARPS=warps)
     if splits > 1:
         part_ml = cp.empty((R, Hq, splits, 2), dtype=cp.float32)
         part_acc = cp.empty((R, Hq, splits, D), dtype=cp.float32)
     else:
         part_ml = part_acc = cp.empty(1, dtype=cp.float32)   # unused
-    kernel = plug.kernel(**kernel_args) if plug is not None else load_kernel("paged_attention", "paged_attention",
-                                                                               **kernel_args)
-    kernel((R, Hkv, splits), (32 * NWARPS,), _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions,
+    kernel = plug.kernel(**kernel_args) if plug is not None else load_kernel("paged_attention", name, **kernel_args)
+    kernel((R, Hkv, splits), (32 * warps,), _kernel_args(qkv, k_cache, v_cache, page_tables, seq_idx, positions,
                                                          config, out, part_ml, part_acc))
     if splits > 1:
         load_kernel("paged_attention", "paged_attention_merge", **kernel_args)(
