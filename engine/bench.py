@@ -166,7 +166,22 @@ def scenario_prefill(args, setup, model, hf):
         emit(rec)
 
 
-def scenario_decode(args, setup, model, hf, ceiling_gbps):
+def engine_decode_tok_per_s(model_dir, backend, ids, new_tokens: int, max_context: int) -> tuple[float, bool]:
+    """Batch-1 decode through the engine itself (LLM: the engine loop, decode graphs, and on a GPU
+    async scheduling, which launches step t+1 before step t's token reaches the host), from its
+    step log: decode steps over their seconds. (tok/s, whether async scheduling ran.)"""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    llm = LLM(model_dir, backend, max_context=max_context, max_seqs=1)
+    llm.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))           # warm-up
+    llm.generate([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    decode = [entry for entry in llm.last_step_log if entry["kind"] == "decode"]
+    tok_per_s, overlapped = len(decode) / sum(entry["seconds"] for entry in decode), llm.async_scheduling
+    llm.close()
+    return tok_per_s, overlapped
+
+
+def scenario_decode(args, setup, model, hf, ceiling_gbps, model_dir=None):
     from engine.chat_session import ChatSession
     from engine.sampling import SamplingParams
     rng = np.random.default_rng(2)
@@ -194,6 +209,11 @@ def scenario_decode(args, setup, model, hf, ceiling_gbps):
            "achieved_gbps": round((weight_bytes + kv_bytes) / step / 1e9, 1),
            "ceiling_copy_gbps": round(ceiling_gbps, 1),
            "floor_tok_per_s": round(ceiling_gbps * 1e9 / (weight_bytes + kv_bytes), 1)}
+    if model_dir is not None:      # the same decode through LLM (what engine.chat and the server run)
+        tok_per_s, overlapped = engine_decode_tok_per_s(model_dir, model.backend, ids, args.new_tokens,
+                                                        model.max_context)
+        rec["engine_decode_tok_per_s"] = round(tok_per_s, 1)
+        rec["engine_async_scheduling"] = overlapped
     if hf is not None:
         for static in ([False, True] if model.backend.is_gpu else [False]):
             try:
@@ -217,13 +237,20 @@ def serve_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     return prompts, outs
 
 
-def warm_up_requests(prompts, max_seqs: int) -> tuple[list[list[int]], list[int]]:
-    """A short workload that compiles every kernel and captures every decode-graph bucket before the
-    timed run: max_seqs requests of 16 prompt tokens whose outputs end a few at a time (2..81
-    tokens), then three stragglers, so the decode batch shrinks through every bucket down to one row."""
+def warm_up_requests(prompts, max_seqs: int, max_context: int, max_batch_tokens: int
+                     ) -> tuple[list[list[int]], list[int]]:
+    """A short workload that compiles every kernel, grows the memory pool to the workload's largest
+    step and captures every decode-graph bucket before the timed run: long prompts that fill more than
+    one whole step's token budget (so that a chunk continues over the cache in a mixed step), then
+    max_seqs - 3 requests of 16 prompt tokens whose outputs end a few at a time (2..81 tokens), and
+    three stragglers, so the decode batch shrinks through every bucket down to one row."""
+    long_len = max(1, min(max_context // 2, max(len(p) for p in prompts)))
+    n_long = min(max_seqs, -(-max_batch_tokens * 5 // 4 // long_len))
     n = max(1, max_seqs - 3)
-    lengths = [2 + i % 80 for i in range(n)] + [90, 95, 100][:max_seqs - n]
-    return [prompts[i % len(prompts)][:16] for i in range(len(lengths))], lengths
+    lengths = [2] * n_long + [2 + i % 80 for i in range(n)] + [90, 95, 100][:max_seqs - n]
+    long = [(prompts[i % len(prompts)] * (1 + long_len // len(prompts[i % len(prompts)])))[:long_len]
+            for i in range(n_long)]
+    return long + [prompts[i % len(prompts)][:16] for i in range(len(lengths) - n_long)], lengths
 
 
 def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops: float | None) -> float:
@@ -269,7 +296,7 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs,
                   async_scheduling=False if host == ["sync"] else None)
-        warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs)
+        warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs, llm.max_context, llm.max_batch_tokens)
         llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
         backend.synchronize()
         t = time.perf_counter()
@@ -537,7 +564,7 @@ def main(argv=None) -> int:
     if "prefill" in args.scenario:
         scenario_prefill(args, setup, model, hf)
     if "decode" in args.scenario:
-        scenario_decode(args, setup, model, hf, ceiling)
+        scenario_decode(args, setup, model, hf, ceiling, model_dir)
     if args.profile:
         run_profile(args, setup, model, ceiling)
     if {"serve", "serve-oversubscribed"} & set(args.scenario):

@@ -75,7 +75,9 @@ def test_chat_on_gpu(default_model_dir):
 def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(model_dir, kv_cache, budget):
     """The engine loop keeps a step in flight and feeds its sampled ids to the next step on the device
     (into the decode graphs' inputs, and into eager mixed steps when prompts are chunked, budget 48):
-    greedy and seeded sampling give exactly the tokens of the loop that waits for every step."""
+    greedy and seeded sampling give exactly the tokens of the loop that waits for every step. Every
+    request has a seat from the start, so both loops run the same batches (with requests waiting
+    for seats, a lookahead admits a newcomer one step later: other batches, other bf16 roundings)."""
     import engine
     from engine.llm import LLM
     rng = np.random.default_rng(5)
@@ -83,11 +85,12 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(model_dir, kv_c
     params = [engine.SamplingParams(max_new_tokens=int(rng.integers(1, 40)), ignore_eos=True,
                                     **({"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 3 == 0 else {}))
               for i in range(24)]
-    kw = dict(backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=16, max_batch_tokens=budget)
+    kw = dict(backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=32, max_batch_tokens=budget)
     overlapped, serial = LLM(model_dir, **kw), LLM(model_dir, async_scheduling=False, **kw)
     assert overlapped.async_scheduling and not serial.async_scheduling
     got = [r.token_ids for r in overlapped.generate(prompts, params)]
     assert overlapped.decode_graphs.replays > 0
     assert got == [r.token_ids for r in serial.generate(prompts, params)]
+    assert [e["request_ids"] for e in overlapped.last_step_log] == [e["request_ids"] for e in serial.last_step_log]
     if budget < 90:
         assert any(entry["kind"] == "mixed" for entry in overlapped.last_step_log)
