@@ -225,6 +225,13 @@ def load_kernel(stage: str, name: str, **defines):
 
 
 @functools.cache
+def tensor_cores_usable(device_id: int) -> bool:
+    """bf16 mma.sync (the GEMV, flash and paged attention kernels) needs sm_80 (Ampere) or newer."""
+    import cupy
+    return int(cupy.cuda.Device(device_id).compute_capability) >= 80
+
+
+@functools.cache
 def sm_count(device_id: int = 0) -> int:
     """Number of streaming multiprocessors (asked once: the attribute query is slow)."""
     import cupy

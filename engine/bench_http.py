@@ -109,7 +109,8 @@ def scenario_serve_http(args, setup, model_dir, backend) -> None:
             "len_range": [args.min_len, args.max_len], "output_tokens": useful}
 
     llm = LLM(model_dir, backend, kv_cache_mib=args.kv_cache_mib, max_context=max_context, max_seqs=args.max_seqs)
-    warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs, llm.max_context, llm.max_batch_tokens)          # kernels and graph buckets, untimed
+    # kernels, the memory pool and every graph bucket, untimed
+    warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs, llm.max_context, llm.max_batch_tokens)
     llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
     backend.synchronize()
     t = time.perf_counter()

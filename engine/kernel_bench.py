@@ -246,7 +246,8 @@ class Bench:
         (backend.matmul) in the same run, both checked against a float64 reference (outputs poisoned)
         and timed from a CUDA graph cycling over copies of W (a decode step reads every weight once,
         never from L2). GB/s counts W + x + out; the floor is reading W at copy bandwidth."""
-        from engine.ops.gemv import GEMV_MAX_ROWS, gemv, tensor_cores_usable
+        from engine.backend import tensor_cores_usable
+        from engine.ops.gemv import GEMV_MAX_ROWS, gemv
         cp = self.cp
         usable = tensor_cores_usable(cp.cuda.Device().id)
         if not usable:

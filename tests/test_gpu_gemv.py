@@ -19,7 +19,7 @@ def _why_skip():
         return reason
     import cupy
 
-    from engine.ops.gemv import tensor_cores_usable
+    from engine.backend import tensor_cores_usable
     if not tensor_cores_usable(cupy.cuda.Device().id):
         return "the GEMV kernel needs an sm_80+ GPU (bf16 mma.sync)"
     return None

@@ -16,11 +16,9 @@ GPU path is kernels_cu/flash_attention.cu on the tensor cores (sm_80+, head_dim 
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from engine.backend import is_device_array, load_kernel
+from engine.backend import is_device_array, load_kernel, tensor_cores_usable
 from engine.config import LlamaConfig
 from engine.ops.attention import split_qkv
 
@@ -102,13 +100,6 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens,
                     m = m_new
                 out_groups[q0:q1, g] = (acc / l[:, None]).reshape(n, r, D)
     return out
-
-
-@functools.cache
-def tensor_cores_usable(device_id: int) -> bool:
-    """bf16 mma.sync: sm_80 (Ampere) or newer."""
-    import cupy
-    return int(cupy.cuda.Device(device_id).compute_capability) >= 80
 
 
 def kernel_supports(config: LlamaConfig) -> bool:

@@ -13,11 +13,9 @@ NumPy reference is linear_ref: out = x @ W^T.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from engine.backend import load_kernel, sm_count
+from engine.backend import load_kernel, sm_count, tensor_cores_usable
 
 # The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a
 # plain nvcc build; tests/test_kernels_compile.py checks that the two agree).
@@ -48,13 +46,6 @@ def launch_geometry(N: int, K: int, sms: int) -> tuple[int, int]:
     while warps < NWARPS and tiles * warps < WARPS_PER_SM * sms and kblocks >= 2 * warps * UNROLL:
         warps *= 2
     return tiles, warps
-
-
-@functools.cache
-def tensor_cores_usable(device_id: int) -> bool:
-    """bf16 mma.sync needs sm_80 (Ampere) or newer; below that linear() keeps cuBLAS."""
-    import cupy
-    return int(cupy.cuda.Device(device_id).compute_capability) >= 80
 
 
 def _row_stride(a, name: str, itemsize: int) -> int:
