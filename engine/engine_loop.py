@@ -455,7 +455,7 @@ class EngineLoop:
                 self._abort(sched, batch.batch_id, exc)
         if previous is not None:
             try:
-                tokens = previous.tokens()
+                tokens = previous.tokens(is_live=sched.is_live)
             except Exception as exc:
                 self._abort(sched, previous.batch.batch_id, exc)
             else:

@@ -87,9 +87,17 @@ class LaunchedStep:
     sampled: SampledTokens | None       # None when no row samples (a step of prompt chunks only)
     started: float                      # time.perf_counter() at launch
     launched_at: float                  # time.monotonic() at launch (the clock of handles' timestamps)
+    done: object = None                 # GPU, no row samples: an event after the step (tokens() waits on it)
 
-    def tokens(self) -> list[int]:
-        return self.sampled.wait(RowLabels(self.sampling)).tolist() if self.sampled is not None else []
+    def tokens(self, is_live=None) -> list[int]:
+        """The sampled ids, once the step has run. is_live(request_id): only those rows' logits must be
+        finite (async scheduling: the others belong to requests that ended meanwhile)."""
+        if self.sampled is None:
+            if self.done is not None:
+                self.done.synchronize()       # the host never runs more than one step ahead
+            return []
+        checked = None if is_live is None else [is_live(row.request_id) for row in self.sampling]
+        return self.sampled.wait(RowLabels(self.sampling), checked).tolist()
 
 
 def default_max_context(model_max: int, kv_cache: str = "contiguous") -> int:
@@ -275,6 +283,9 @@ class LLM:
         """Drive a scheduler of new_scheduler() by hand: one forward pass of whatever it picks; a
         failure leaves its state unchanged and re-raises. False when there was nothing to run.
         Refused while the engine loop serves requests (both would write the same cache)."""
+        if sched.async_scheduling:
+            raise ValueError("LLM.step drives a scheduler of new_scheduler(), one batch at a time "
+                             "(not one with async scheduling, such as the engine loop's)")
         engine = self._engine
         with engine.lock:
             if sched is not engine.scheduler:
@@ -327,12 +338,15 @@ class LLM:
             logits = self._graph_decode(batch.rows[0])
         if logits is None:
             logits = self.model.forward(fb, self.cache)
-        sampled = None
+        sampled = done = None
         if sampling:
             uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
                                      [row.num_generated for row in sampling])
             sampled = start_sampling(logits, [row.params for row in sampling], uniforms)
-        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic())
+        elif self.backend.is_gpu:
+            done = self.backend.xp.cuda.Event(disable_timing=True)
+            done.record()
+        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done)
 
     def _feedback(self, batch: Batch, previous: LaunchedStep | None):
         """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that
@@ -346,8 +360,11 @@ class LLM:
         row_of_token = np.repeat(np.arange(len(batch.rows), dtype=np.int32), batch.lengths)[pending]
         src = np.fromiter((where[batch.rows[r].request_id] for r in row_of_token), dtype=np.int32,
                           count=pending.size)
-        ids = previous.sampled.ids
-        return pending, ids[self.backend.xp.asarray(src) if self.backend.is_gpu else src]
+        xp, ids = self.backend.xp, previous.sampled.ids
+        fed = ids[xp.asarray(src) if self.backend.is_gpu else src]
+        # a row whose logits were not finite may have sampled any id; its request is failed when step n
+        # completes, but its row here still runs: keep the id inside the embedding table
+        return pending, xp.clip(fed, 0, self.config.vocab_size - 1)
 
     def _complete(self, sched: Scheduler, launched: LaunchedStep, tokens: list[int]) -> None:
         """Hand the sampled tokens to the scheduler. A step's `seconds` run from its launch, or from the

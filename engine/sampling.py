@@ -182,10 +182,15 @@ class SampledTokens:
         self._copied = copied                      # CUDA event after the device-to-host copy
         self._keep = keep                          # buffers the copy reads and writes, alive until then
 
-    def wait(self, labels=None) -> np.ndarray:
+    def wait(self, labels=None, checked=None) -> np.ndarray:
+        """checked: [R] bool, the rows whose logits must be finite (default: all; async scheduling
+        leaves out rows whose request ended while the step was in flight: their tokens are dropped)."""
         if self._copied is not None:
             self._copied.synchronize()
-        check_finite_rows(self._finite.astype(bool), labels)
+        finite = self._finite.astype(bool)
+        if checked is not None:
+            finite |= ~np.asarray(checked, dtype=bool)
+        check_finite_rows(finite, labels)
         return self._host.copy()
 
 

@@ -495,7 +495,8 @@ class Scheduler:
         if not rows:
             rows, more = self._decode_rows()
             preempted += more
-            self._group_decoding = bool(rows) and self.policy == "static"
+            if rows:        # (a lookahead may find no row: every member's pending token ends it)
+                self._group_decoding = self.policy == "static"
         return rows, preempted
 
     def complete(self, batch_id: int, sampled_tokens) -> None:
@@ -532,6 +533,9 @@ class Scheduler:
         self.allocator.commit()
         if discarded:
             self._drop_rows(entry, discarded)
+        # async: a victim of this batch's preemptions may have been cancelled or aborted since
+        entry["preempted"] = [rid for rid in entry["preempted"] if rid in self._requests]
+        entry["step"] = self.num_steps             # its index in the log (an aborted batch leaves none)
         entry["finished"] = finished
         entry["sampled_tokens"] = kept
         self.num_steps += 1
@@ -566,16 +570,28 @@ class Scheduler:
         not parked for a session); their rows in a later batch are discarded. Returns their results."""
         flight = self._flight(batch_id)
         del self._in_flight[batch_id]
+        in_batch = dict.fromkeys(row.request_id for row in flight.batch.rows)
         results = []
-        for request_id in dict.fromkeys(row.request_id for row in flight.batch.rows):
+        for request_id in in_batch:
             request = self._requests.get(request_id)
             if request is not None:
                 request.session = None
                 if request.status == "waiting":
                     self._waiting.remove(request_id)
                 results.append(self._retire(request, "cancelled"))
+        # a request of the batch that ended while it was in flight may have parked pages it was writing
+        for session, parked in list(self._parked.items()):
+            if parked.seq_id in in_batch:
+                self.allocator.free(self._parked.pop(session).seq_id)
         self.allocator.commit()
+        later = next(iter(self._in_flight.values()), None)
+        if later is not None and later.batch.batch_id > batch_id:   # its arrivals go with the next record
+            later.log_entry["arrived"] = flight.log_entry["arrived"] + later.log_entry["arrived"]
         return results
+
+    def is_live(self, request_id: int) -> bool:
+        """Waiting or running (async: a row of a batch in flight may belong to a request that ended)."""
+        return request_id in self._requests
 
     def _restore(self, saved: _Saved) -> None:
         self.allocator.rollback()

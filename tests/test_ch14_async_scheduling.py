@@ -47,6 +47,7 @@ def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
                        for step, n, new, ign in setup["requests"]), key=lambda a: a[0])
     prompts, results, cache, log = {}, {}, {}, []
     in_flight, step, lookaheads, declined = None, 0, 0, 0
+    group, group_decoded, admitted_once = set(), False, set()     # static batching's current group
     while arrivals or sched.has_unfinished() or in_flight:
         while arrivals and arrivals[0][0] <= step:
             _, prompt, p = arrivals.pop(0)
@@ -61,6 +62,13 @@ def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
             assert results[victim].finish_reason == "cancelled"
         step += 1
         batch = sched.schedule()
+        if batch is not None and setup["policy"] == "static":
+            if not any(sched.is_live(m) for m in group):
+                group, group_decoded = set(), False
+            new = {r.request_id for r in batch.rows if r.kind == "prefill" and r.start_pos == 0} - admitted_once
+            assert not (new and group_decoded), "static admitted a newcomer while its group was decoding"
+            group, admitted_once = group | new, admitted_once | new
+            group_decoded |= any(r.kind == "decode" for r in batch.rows)
         if batch is not None:
             lookaheads += in_flight is not None
             sampled = run_on_device(batch, cache, in_flight)
@@ -89,6 +97,9 @@ def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
     assert pool.num_free == pool.num_pages and not sched.has_unfinished()
     # the log hands out exactly the tokens the results hold (discarded rows' tokens are not in it)
     handed = {}
+    assert [entry["step"] for entry in log] == list(range(len(log)))
+    arrived = [rid for entry in log for rid in entry["arrived"]]
+    assert len(arrived) == len(set(arrived))
     for entry in log:
         assert len(entry["sampled_ids"]) == len(entry["sampled_tokens"]) == entry["sampled"]
         assert not set(entry.get("discarded", ())) & set(entry["request_ids"])
@@ -191,3 +202,55 @@ def test_a_session_parks_only_known_tokens_while_its_next_row_is_in_flight():
     nxt = sched.submit([1, 2, 3, EOS, 6], params(1), session="chat")
     batch = sched.schedule()
     assert batch.rows[0].request_id == nxt and batch.rows[0].start_pos == 3   # reuses 1, 2, 3 only
+
+
+def test_a_preempted_request_cancelled_before_its_batch_completes_leaves_the_log():
+    """The preempting batch is scheduled with nothing in flight but completed one iteration later; a
+    victim cancelled in between is no longer named in its record (the engine loop looks each one up)."""
+    sched = Scheduler(PageAllocator(6, 4), 4, 64, 64, admission="on_demand", async_scheduling=True)
+    ids = [sched.submit(list(range(1, 10)), params(12)) for _ in range(2)]
+    previous, victim = None, None
+    for _ in range(40):
+        batch = sched.schedule()
+        if previous is not None:
+            sched.complete(previous.batch_id, [5] * sum(r.samples for r in previous.rows))
+        if batch is None:
+            previous = None
+            continue
+        preempted = sched._in_flight[batch.batch_id].log_entry["preempted"]
+        if preempted:
+            victim = preempted[0]
+            sched.cancel(victim)
+            sched.complete(batch.batch_id, [5] * sum(r.samples for r in batch.rows))
+            break
+        previous = batch
+    assert victim in ids and victim not in sched.step_log[-1]["preempted"]
+
+
+def test_abort_frees_pages_a_cancelled_session_parked_while_its_chunk_was_in_flight():
+    sched = Scheduler(PageAllocator(16, 4), 4, 4, 64, chunked_prefill=True, async_scheduling=True)
+    rid = sched.submit(list(range(1, 14)), params(4), session="chat")
+    first = sched.schedule()                     # the first chunk of 4 tokens
+    second = sched.schedule()                    # the next chunk, while the first is in flight
+    sched.cancel(rid)                            # parks the pages both chunks are writing
+    assert sched.snapshot()["parked_tables"]
+    sched.complete(first.batch_id, [])
+    sched.abort(second.batch_id)                 # that chunk failed: its pages hold garbage
+    assert sched.snapshot()["parked_tables"] == {} and sched.allocator.num_free == 16
+    assert [e["step"] for e in sched.step_log] == [0]
+
+
+def test_only_the_rows_of_live_requests_must_have_finite_logits():
+    """A request whose logits turned non-finite fails when its step completes; its row of the step
+    already launched is non-finite too and must not fail the other requests of that step (a newcomer
+    admitted there, which the one-step-at-a-time loop would have run without it)."""
+    from engine.llm import LaunchedStep
+    from engine.sampling import NonFiniteLogitsError, SampledTokens
+    from engine.scheduler import Batch, Row
+
+    rows = [Row(7, [PENDING], 5, [0, 1], None, 3, kind="decode"), Row(9, [4, 5], 0, [2], None, 0)]
+    step = LaunchedStep(Batch(1, "mixed", rows, 4), rows,
+                        SampledTokens(np.array([0, 42], np.int32), np.array([False, True])), 0.0, 0.0)
+    with pytest.raises(NonFiniteLogitsError, match="request 7"):
+        step.tokens()
+    assert step.tokens(is_live=lambda rid: rid != 7) == [0, 42]
