@@ -897,7 +897,7 @@ class Scheduler:
             self._requests[rid].num_computed for rid in self._running if rid not in in_batch)
         arrived_from = max([self._logged_request_id] + [f.arrived_before for f in self._in_flight.values()])
         return {
-            "step": self.num_steps + len(self._in_flight),
+            "step": -1,            # filled in by complete(): its index in the log
             "batch_id": batch.batch_id,
             "kind": batch.kind,
             "request_ids": [row.request_id for row in batch.rows],

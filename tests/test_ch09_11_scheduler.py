@@ -499,21 +499,27 @@ def test_failed_batches_change_nothing_and_cancels_return_what_was_generated(set
     assert failing_results == clean_results and failing_log == clean_log
 
 
+def tight_pool_setup(rng: random.Random, seed: int) -> dict:
+    """A workload for on-demand admission over a pool a few requests wide (chunked prefill on odd seeds)."""
+    max_context, page_size = rng.randint(8, 40), rng.randint(1, 4)
+    requests = [(rng.randint(0, 3), rng.randint(1, max_context // 2), rng.randint(4, 24), True)
+                for _ in range(rng.randint(4, 12))]
+    largest = max(-(-(min(n + new, max_context) - 1) // page_size) for _, n, new, _ in requests)
+    max_seqs, chunked = rng.randint(2, 8), seed % 2 == 1
+    return dict(policy=rng.choice(["static", "continuous"]), admission="on_demand",
+                max_context=max_context, max_seqs=max_seqs, chunked=chunked,
+                allocator=PageAllocator(largest + rng.randint(0, largest), page_size),
+                max_batch_tokens=rng.randint(max_seqs, 12) if chunked else 64,
+                requests=requests, seed=seed)
+
+
 def test_tight_pools_preempt_often_and_outputs_do_not_change():
     """Seeded stress on top of hypothesis: on-demand admission over pools a few requests wide."""
     rng = random.Random(2024)
     preemptions = chunked_preemptions = 0
     for seed in range(40):
-        max_context, page_size = rng.randint(8, 40), rng.randint(1, 4)
-        requests = [(rng.randint(0, 3), rng.randint(1, max_context // 2), rng.randint(4, 24), True)
-                    for _ in range(rng.randint(4, 12))]
-        largest = max(-(-(min(n + new, max_context) - 1) // page_size) for _, n, new, _ in requests)
-        max_seqs, chunked = rng.randint(2, 8), seed % 2 == 1
-        setup = dict(policy=rng.choice(["static", "continuous"]), admission="on_demand",
-                     max_context=max_context, max_seqs=max_seqs, chunked=chunked,
-                     allocator=PageAllocator(largest + rng.randint(0, largest), page_size),
-                     max_batch_tokens=rng.randint(max_seqs, 12) if chunked else 64,
-                     requests=requests, seed=seed)
+        setup = tight_pool_setup(rng, seed)
+        chunked = setup["chunked"]
         _, log = simulate(setup, fail_rate=0.2, cancel_rate=0.05)
         preemptions += sum(len(entry["preempted"]) for entry in log)
         chunked_preemptions += chunked * sum(len(entry["preempted"]) for entry in log)

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_ch09_11_scheduler import EOS, VOCAB, fake_next_token, params, run_alone, setups
+from test_ch09_11_scheduler import EOS, VOCAB, fake_next_token, params, run_alone, setups, tight_pool_setup
 
 from engine.kv_allocator import PageAllocator, SlotAllocator
 from engine.scheduler import PENDING, Scheduler, SchedulerError
@@ -137,16 +137,7 @@ def test_tight_pools_decline_the_lookahead_instead_of_preempting():
     rng = random.Random(7)
     lookaheads = declined = preempted = 0
     for seed in range(30):
-        max_context, page_size = rng.randint(8, 40), rng.randint(1, 4)
-        requests = [(rng.randint(0, 3), rng.randint(1, max_context // 2), rng.randint(4, 24), True)
-                    for _ in range(rng.randint(4, 12))]
-        largest = max(-(-(min(n + new, max_context) - 1) // page_size) for _, n, new, _ in requests)
-        max_seqs, chunked = rng.randint(2, 8), seed % 2 == 1
-        setup = dict(policy=rng.choice(["static", "continuous"]), admission="on_demand",
-                     max_context=max_context, max_seqs=max_seqs, chunked=chunked,
-                     allocator=PageAllocator(largest + rng.randint(0, largest), page_size),
-                     max_batch_tokens=rng.randint(max_seqs, 12) if chunked else 64,
-                     requests=requests, seed=seed)
+        setup = tight_pool_setup(rng, seed)
         _, log, ahead, down = simulate_async(setup, cancel_rate=0.05)
         lookaheads, declined = lookaheads + ahead, declined + down
         preempted += sum(len(entry["preempted"]) for entry in log)
