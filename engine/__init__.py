@@ -1,7 +1,7 @@
 """engine: an LLM inference engine built chapter by chapter.
 
 The public contract (see README): ensure_default_model, load_tokenizer, load_model, LLM,
-SamplingParams and the `engine.safetensors` module, plus the typed errors a caller may catch:
+SamplingParams and the `engine.formats.safetensors` module, plus the typed errors a caller may catch:
 SafetensorsError, ConfigError, GGUFConversionError, DefaultModelError (all ValueError or
 RuntimeError subclasses naming the problem) and BackendError. `__all__` is built from the table
 below, so this list and the exports cannot drift apart. Imports are lazy so that `import engine`
@@ -12,15 +12,15 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ensure_default_model": ("engine.default_model", "ensure_default_model"),
-    "load_tokenizer": ("engine.tokenizer", "load_tokenizer"),
-    "load_model": ("engine.model", "load_model"),
-    "LLM": ("engine.llm", "LLM"),
-    "SamplingParams": ("engine.sampling", "SamplingParams"),
-    "SafetensorsError": ("engine.safetensors", "SafetensorsError"),
-    "ConfigError": ("engine.config", "ConfigError"),
-    "DefaultModelError": ("engine.default_model", "DefaultModelError"),
-    "GGUFConversionError": ("engine.gguf_convert", "GGUFConversionError"),
+    "ensure_default_model": ("engine.model.default_model", "ensure_default_model"),
+    "load_tokenizer": ("engine.text.tokenizer", "load_tokenizer"),
+    "load_model": ("engine.model.forward_pass", "load_model"),
+    "LLM": ("engine.runtime.llm", "LLM"),
+    "SamplingParams": ("engine.runtime.sampling_params", "SamplingParams"),
+    "SafetensorsError": ("engine.formats.safetensors", "SafetensorsError"),
+    "ConfigError": ("engine.formats.config", "ConfigError"),
+    "DefaultModelError": ("engine.model.default_model", "DefaultModelError"),
+    "GGUFConversionError": ("engine.formats.gguf_convert", "GGUFConversionError"),
     "BackendError": ("engine.backend", "BackendError"),
     "use_stage": ("engine.plugins", "use_stage"),
     "use_stages": ("engine.plugins", "use_stages"),
@@ -36,5 +36,5 @@ def __getattr__(name):
         globals()[name] = value
         return value
     if name == "safetensors":
-        return import_module("engine.safetensors")
+        return import_module("engine.formats.safetensors")
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -297,7 +297,7 @@ class _Cublas:
     """cuBLAS called directly through ctypes, on a handle of our own.
 
     Why not CuPy's cuBLAS bindings: they refuse to run while a stream is being captured into a CUDA
-    graph, and the decode step is captured (engine/cuda_graph.py). cuBLAS itself supports capture
+    graph, and the decode step is captured (engine/runtime/cuda_graphs.py). cuBLAS itself supports capture
     once the handle has a preallocated workspace (no allocation may happen inside a capture).
     """
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kv_cache import KVCache
-from engine.model import Model
+from engine.model.forward_pass import Model
+from engine.model.kv_cache import KVCache
 from engine.plugins import any_active
 
 

@@ -6,12 +6,12 @@
     with engine.use_stage("rmsnorm", cuda_source=src, kernel="rmsnorm"):   # CUDA C, GPU backend
         llm.generate(prompts)                                     # your kernel, launched in place of ours
 
-Every op in engine/ops/*.py (and engine/sampling.py) looks its stage up in `OVERRIDES` (one dict
+Every op in engine/ops/*.py (and engine/runtime/sampling_params.py) looks its stage up in `OVERRIDES` (one dict
 lookup per call) and, when it finds an override, runs it instead of the engine's implementation.
 So the override reaches everything built on the ops: `Model.logits`, `engine.LLM.generate`, the chat.
 
 An overridden stage runs unfused and eagerly: `add_rmsnorm` becomes `residual += delta` followed by
-your `rmsnorm`, and the CUDA graph of a decode step (engine/cuda_graph.py) is not captured or
+your `rmsnorm`, and the CUDA graph of a decode step (engine/runtime/cuda_graphs.py) is not captured or
 replayed while any override is active (`any_active()`), so each step launches your code for real.
 
 Overrides are process-wide: for the duration of the `with` block every thread that runs the model

@@ -2,7 +2,7 @@
 
 Run it once while the network is there (an instructor before the workshop, a learner at home):
 
-1. fetch and convert the default model into the cache (engine.default_model; nothing happens if it
+1. fetch and convert the default model into the cache (engine.model.default_model; nothing happens if it
    is already there), and check that it loads and answers;
 2. on a GPU machine, warm the kernel compile cache: run the chat's and the server's paths once so
    that NVRTC compiles every kernel they launch for this model's shapes. CuPy keeps the compiled
@@ -21,7 +21,7 @@ import sys
 import time
 
 from engine.backend import BACKENDS, resolve_backend
-from engine.default_model import DefaultModelError, cache_root, ensure_default_model
+from engine.model.default_model import DefaultModelError, cache_root, ensure_default_model
 
 WARM_PROMPT = "What is the capital of France?"
 
@@ -29,8 +29,8 @@ WARM_PROMPT = "What is the capital of France?"
 def warm_up(model_dir, backend) -> dict:
     """Serve one greedy and one sampled request: every kernel of the prefill, decode and sampling
     paths is launched (so compiled, on the GPU) once. Returns what was generated and how long it took."""
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from engine.runtime.llm import LLM
+    from engine.runtime.sampling_params import SamplingParams
     t0 = time.perf_counter()
     llm = LLM(model_dir, backend=backend, max_seqs=2, kv_cache_mib=64)
     messages = [{"role": "user", "content": WARM_PROMPT}]

@@ -27,9 +27,9 @@ from fixtures.make_reference_fixtures import (
 from helpers.default_model import write_tiny_llama_gguf  # (the default_model_dir fixtures come from conftest.py)
 
 import engine
-from engine import default_model
-from engine.default_model import DefaultModelError, ensure_default_model
-from engine.gguf_convert import CONVERTER_VERSION, MARKER_FILE, sha256_file
+from engine.formats.gguf_convert import CONVERTER_VERSION, MARKER_FILE, sha256_file
+from engine.model import default_model
+from engine.model.default_model import DefaultModelError, ensure_default_model
 
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))
 VOCAB = 49152

@@ -1,4 +1,4 @@
-"""engine.gguf_convert on a tiny synthetic Llama GGUF (no download).
+"""engine.formats.gguf_convert on a tiny synthetic Llama GGUF (no download).
 
 The oracles are independent of the converter: a block decoder written out here from the GGML block
 layouts, llama.cpp's own permutation formula applied in the forward direction, the `tokenizers`
@@ -23,9 +23,9 @@ from helpers.default_model import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import gguf_convert
-from engine.gguf_convert import MARKER_FILE, GGUFConversionError, convert_gguf
-from engine.safetensors import load_file
+from engine.formats import gguf_convert
+from engine.formats.gguf_convert import MARKER_FILE, GGUFConversionError, convert_gguf
+from engine.formats.safetensors import load_file
 
 HF_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", MARKER_FILE]
@@ -230,7 +230,7 @@ def test_failed_write_leaves_no_directory(tiny, tmp_path, monkeypatch):
         path.write_bytes(b"half a file")
         raise OSError("No space left on device")
 
-    monkeypatch.setattr("engine.safetensors.save_file", disk_full)
+    monkeypatch.setattr("engine.formats.safetensors.save_file", disk_full)
     with pytest.raises(GGUFConversionError, match="No space left"):
         convert_gguf(written.path, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []

@@ -20,8 +20,8 @@ from helpers.default_model import write_tiny_llama_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.gguf_convert import GGUFConversionError, convert_gguf
-from engine.gguf_reader import GGUFFile, GGUFFormatError
+from engine.formats.gguf_convert import GGUFConversionError, convert_gguf
+from engine.formats.gguf_reader import GGUFFile, GGUFFormatError
 
 SECONDS = 1.0
 PEAK_BYTES = 32 << 20

@@ -1,4 +1,4 @@
-"""Qwen2.5's and Qwen3's chat templates through engine.chat_template: the same text as transformers.
+"""Qwen2.5's and Qwen3's chat templates through engine.text.chat_template: the same text as transformers.
 
 Expected renderings (tests/fixtures/chat_qwen_expected.json) were produced by transformers in
 tests/fixtures/make_chat_qwen_fixtures.py: default system prompt, tool listings, tool calls (arguments as
@@ -14,8 +14,8 @@ import json
 import pytest
 from fixtures.make_chat_qwen_fixtures import CONVERSATIONS, FIXTURES, TEMPLATES, qwen_tokenizer_dir, template_source
 
-from engine.chat_template import ChatTemplateError, render_chat_template
-from engine.tokenizer import load_tokenizer
+from engine.text.chat_template import ChatTemplateError, render_chat_template
+from engine.text.tokenizer import load_tokenizer
 
 EXPECTED = json.loads((FIXTURES / "chat_qwen_expected.json").read_text(encoding="utf-8"))
 CASES = [(template, case) for template in TEMPLATES for case in CONVERSATIONS]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from helpers.oracle import needs_transformers
 
-from engine.config import ConfigError, config_from_dict, load_config
-from engine.random_model import PRESETS, random_weights, write_random_model
-from engine.weights import expected_shapes
+from engine.formats.config import ConfigError, config_from_dict, load_config
+from engine.model.random_model import PRESETS, random_weights, write_random_model
+from engine.model.weights import expected_shapes
 
 QWEN2, QWEN3 = PRESETS["tiny-qwen2"], PRESETS["tiny-qwen3"]
 
@@ -72,8 +72,8 @@ def test_sliding_window_keys_that_change_nothing_are_accepted():
 
 
 def test_qwen3_checkpoint_without_q_norm_is_refused(tmp_path):
-    from engine.model import load_model
-    from engine.safetensors import save_file
+    from engine.formats.safetensors import save_file
+    from engine.model.forward_pass import load_model
     model_dir = write_random_model(tmp_path, "tiny-qwen3")
     tensors = random_weights(config_from_dict(QWEN3))
     del tensors["model.layers.1.self_attn.k_norm.weight"]
@@ -105,7 +105,7 @@ def test_transformers_reads_the_same_model(tmp_path, preset):
 def test_a_learners_rope_runs_after_the_bias_and_norm(tmp_path, preset):
     """With a NumPy rope override the bias and q/k norm still apply (unfused, before it): a correct
     rotation gives the engine's logits."""
-    from engine.model import load_model
+    from engine.model.forward_pass import load_model
     from engine.ops.rope import rope_ref
     from engine.plugins import use_stage
     model = load_model(write_random_model(tmp_path, preset), backend="numpy")

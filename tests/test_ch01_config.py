@@ -1,13 +1,13 @@
-"""config.json validation and checkpoint/config agreement (engine/config.py, engine/weights.py)."""
+"""config.json validation and checkpoint/config agreement (engine/formats/config.py, engine/model/weights.py)."""
 
 import numpy as np
 import pytest
 
 from engine.backend import resolve_backend
-from engine.config import ConfigError, config_from_dict, load_config
-from engine.random_model import PRESETS, random_weights, write_random_model
-from engine.safetensors import save_file
-from engine.weights import load_weights
+from engine.formats.config import ConfigError, config_from_dict, load_config
+from engine.formats.safetensors import save_file
+from engine.model.random_model import PRESETS, random_weights, write_random_model
+from engine.model.weights import load_weights
 
 LLAMA1B = PRESETS["llama-3.2-1b"]
 
@@ -127,7 +127,7 @@ def test_weights_in_any_float_dtype_give_the_same_model(tmp_path, dtype):
 
 
 def test_fused_weights_are_the_stacked_projections(tiny_dir):
-    from engine.safetensors import load_file
+    from engine.formats.safetensors import load_file
     config = load_config(tiny_dir)
     w = load_weights(tiny_dir, config, resolve_backend("numpy"))
     t = load_file(tiny_dir / "model.safetensors")

@@ -16,14 +16,15 @@ from helpers.oracle import FIXTURES, needs_transformers
 
 import engine
 from engine.backend import f32_to_bf16, resolve_backend
-from engine.config import ConfigError, config_from_dict, load_config
-from engine.llm import LLM
-from engine.model import load_model
+from engine.formats.config import ConfigError, config_from_dict, load_config
+from engine.formats.safetensors import save_file
+from engine.model.forward_pass import load_model
+from engine.model.random_model import PRESETS, random_weights, write_random_model
+from engine.model.weights import NonFiniteWeightsError, check_finite, load_weights
 from engine.ops.embedding import embedding_ref
-from engine.random_model import PRESETS, random_weights, write_random_model
-from engine.safetensors import save_file
-from engine.sampling import NonFiniteLogitsError, SamplingParams, sample
-from engine.weights import NonFiniteWeightsError, check_finite, load_weights
+from engine.ops.sampling import NonFiniteLogitsError, sample
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams
 
 TINY = PRESETS["tiny"]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -294,7 +295,7 @@ def test_rope_tables_grow_with_the_positions_used(tmp_path, monkeypatch):
     model_dir = write_random_model(tmp_path / "m", {**TINY, "max_position_embeddings": 10_000})
     full = load_model(model_dir, backend="numpy", max_context=10_000)       # explicit: the whole table now
     assert full.rope_positions == 10_000
-    monkeypatch.setattr("engine.model.Model.ROPE_START", 16)
+    monkeypatch.setattr("engine.model.forward_pass.Model.ROPE_START", 16)
     small = load_model(model_dir, backend="numpy")
     assert small.rope_positions == 16
     ids = (np.arange(70) * 5) % 397
@@ -324,7 +325,7 @@ def test_load_model_refuses_a_bad_max_context(tiny_dir, max_context):
 def test_llm_arguments_refused_before_loading(tiny_dir, monkeypatch, kwargs, match):
     def never(*a, **k):
         raise AssertionError("weights were loaded before the arguments were checked")
-    monkeypatch.setattr("engine.llm.load_model", never)
+    monkeypatch.setattr("engine.runtime.llm.load_model", never)
     with pytest.raises(ValueError, match=match):
         LLM(tiny_dir, backend="numpy", **kwargs)
 
@@ -344,7 +345,7 @@ def test_numpy_integer_arguments_are_accepted(tiny_dir):
 # ---- token ids the model cannot embed -----------------------------------------------------------
 
 def write_tokenizer(model_dir, added_id: int):
-    from engine.tokenizer import bytes_to_unicode
+    from engine.text.tokenizer import bytes_to_unicode
     vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}          # 256 byte tokens
     spec = {"model": {"type": "BPE", "vocab": vocab, "merges": []},
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,

@@ -1,4 +1,4 @@
-"""engine.safetensors against the reference `safetensors` library, in both directions.
+"""engine.formats.safetensors against the reference `safetensors` library, in both directions.
 
 Malformed files live in test_safetensors_malformed.py; this file is about valid ones.
 """
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from engine.backend import bf16_to_f32, cupy_unavailable_reason, f32_to_bf16
-from engine.safetensors import (
+from engine.formats.safetensors import (
     DTYPES,
     INDEX_FILE,
     SafetensorsError,

@@ -13,7 +13,7 @@ import safetensors.numpy as st_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.safetensors import (
+from engine.formats.safetensors import (
     INDEX_FILE,
     MAX_HEADER_LENGTH,
     SafetensorsError,

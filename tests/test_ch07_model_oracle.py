@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from helpers.oracle import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
 
-from engine.llm import LLM
-from engine.model import Model, load_model
-from engine.random_model import write_random_model
-from engine.sampling import SamplingParams
+from engine.model.forward_pass import Model, load_model
+from engine.model.random_model import write_random_model
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams
 
 INDEX = json.loads((FIXTURES / "model_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])

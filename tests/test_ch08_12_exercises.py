@@ -9,8 +9,8 @@ import numpy as np
 from helpers.exercises import accepts, not_attempted, rejects, verdict  # noqa: E402
 
 from engine.exercises import ch08, ch12
-from engine.kv_cache import KVCache
-from engine.model import ForwardBatch
+from engine.model.forward_pass import ForwardBatch
+from engine.model.kv_cache import KVCache
 
 # ----------------------------------------------------------------------------- chapter 08 solutions
 

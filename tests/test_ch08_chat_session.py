@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from helpers.oracle import ForwardCounter, gen_model_dir, greedy_no_cache, hf_model, needs_transformers, relative_error
 
-from engine.chat_session import ChatSession
-from engine.kv_cache import KVCache
-from engine.llm import LLM
-from engine.model import ForwardBatch, load_model
-from engine.sampling import SamplingParams
+from engine.model.forward_pass import ForwardBatch, load_model
+from engine.model.kv_cache import KVCache
+from engine.runtime.chat_session import ChatSession
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams
 
 MAX_CONTEXT = 64
 GREEDY = dict(temperature=0.0, ignore_eos=True)

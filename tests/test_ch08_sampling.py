@@ -21,10 +21,11 @@ from helpers.oracle import gen_model_dir, greedy_no_cache, needs_transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.chat_session import ChatSession
-from engine.llm import LLM
-from engine.model import load_model
-from engine.sampling import SamplingParams, keep_mask, sample, sample_ref, step_uniform, step_uniforms
+from engine.model.forward_pass import load_model
+from engine.ops.sampling import keep_mask, sample, sample_ref
+from engine.runtime.chat_session import ChatSession
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams, step_uniform, step_uniforms
 
 MAX_CONTEXT = 64
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from helpers.oracle import GEN_CONFIG, GEN_CONFIGS, ForwardCounter, gen_model_dir, greedy_no_cache
 
-from engine.chat_session import ChatSession
-from engine.config import config_from_dict
-from engine.llm import LLM
-from engine.model import load_model
-from engine.sampling import SamplingParams
+from engine.formats.config import config_from_dict
+from engine.model.forward_pass import load_model
+from engine.runtime.chat_session import ChatSession
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams
 
 MAX_CONTEXT = 32                 # prompts up to 20 + outputs up to 12: some requests reach the end
 # (family, seed): every seed on Llama, two on each Qwen family

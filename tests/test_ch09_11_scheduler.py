@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.kv_allocator import PageAllocator, SlotAllocator
-from engine.sampling import SamplingParams
-from engine.scheduler import Batch, InvalidRequest, Row, Scheduler, SchedulerError
+from engine.runtime.kv_allocator import PageAllocator, SlotAllocator
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.scheduler import Batch, InvalidRequest, Row, Scheduler, SchedulerError
 
 VOCAB, EOS = 16, 0
 

@@ -1,4 +1,4 @@
-"""engine.plots on step logs of the real scheduler (driven with a stand-in model): the per-step states
+"""engine.exercises.plots on step logs of the real scheduler (driven with a stand-in model): the per-step states
 agree with the scheduler's own counts, and every figure has the bars and lines it promises."""
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st
 
-from engine import plots, step_log  # noqa: E402
+from engine.exercises import plots
 from engine.exercises.ch09 import STAND_IN_TOKEN, run_scheduler  # noqa: E402
 from engine.exercises.ch10 import HAND_WORKLOAD  # noqa: E402
-from engine.kv_allocator import PageAllocator  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.runtime import step_log
+from engine.runtime.kv_allocator import PageAllocator  # noqa: E402
+from engine.runtime.sampling_params import SamplingParams  # noqa: E402
+from engine.runtime.scheduler import Scheduler  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,9 @@ from helpers.exercises import verdict
 from engine.exercises.ch10 import SchedulerSkeleton, check_scheduler
 from engine.exercises.ch11 import PageAllocatorSkeleton, check_page_allocator
 from engine.exercises.model_check import check_in_model
-from engine.kv_allocator import AllocatorError, OutOfPages
 from engine.ops.paged_attention import paged_attention_ref
 from engine.ops.rmsnorm import rmsnorm_ref
+from engine.runtime.kv_allocator import AllocatorError, OutOfPages
 
 
 class MyScheduler(SchedulerSkeleton):
@@ -124,7 +124,7 @@ def test_page_allocator_exercise(capsys):
 
 
 def test_the_scheduler_skeleton_refuses_static_batching():
-    from engine.kv_allocator import PageAllocator
+    from engine.runtime.kv_allocator import PageAllocator
     with pytest.raises(ValueError, match="continuous"):
         MyScheduler(PageAllocator(4, 4), 2, 10, 20, policy="static")
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_allocator import AllocatorError, OutOfPages, PageAllocator, SlotAllocator
+from engine.runtime.kv_allocator import AllocatorError, OutOfPages, PageAllocator, SlotAllocator
 
 
 def test_pages_are_taken_one_at_a_time_as_the_sequence_grows():

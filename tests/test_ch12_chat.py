@@ -72,8 +72,9 @@ def test_chat_survives_three_times_its_context(default_model_dir):
 
 
 def test_a_failing_turn_prints_one_line_and_the_chat_goes_on(default_model_dir, monkeypatch, capsys):
-    from engine.chat import Chat, interactive
-    from engine.sampling import SamplingParams
+    from engine.chat.cli import interactive
+    from engine.chat.local import Chat
+    from engine.runtime.sampling_params import SamplingParams
     chat = Chat(default_model_dir, "numpy", SamplingParams(max_new_tokens=8), None, 256)
     real, calls = chat.llm.model.forward, []
 
@@ -92,8 +93,8 @@ def test_a_failing_turn_prints_one_line_and_the_chat_goes_on(default_model_dir, 
 
 
 def test_the_next_turn_reuses_the_cache_and_answers_like_a_fresh_chat(default_model_dir):
-    from engine.chat import Chat
-    from engine.sampling import SamplingParams
+    from engine.chat.local import Chat
+    from engine.runtime.sampling_params import SamplingParams
     params = SamplingParams(max_new_tokens=8)
     chat = Chat(default_model_dir, "numpy", params, "You are brief.", 256)
     sink = io.StringIO()
@@ -108,7 +109,7 @@ def test_the_next_turn_reuses_the_cache_and_answers_like_a_fresh_chat(default_mo
 
 
 def test_prefill_progress_line_on_a_terminal():
-    from engine.chat import Prefilling
+    from engine.chat.conversation import Prefilling
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from engine.chat_client import RemoteChat, ServerError
-from engine.sampling import SamplingParams
+from engine.chat.remote import RemoteChat, ServerError
+from engine.runtime.sampling_params import SamplingParams
 
 PIECES = ["Hel", "lo, ", "wor", "ld ", "\u00e9t\u00e9", "!"]
 
@@ -121,13 +121,13 @@ def test_cli_one_shot_and_unreachable_server(server):
 
 
 def test_remote_chat_against_the_engine_server(tiny_chat_dir):
-    """The real thing: engine.serve on loopback; each turn's text equals LLM.generate on the rendered
+    """The real thing: engine.serve.server on loopback; each turn's text equals LLM.generate on the rendered
     conversation, and a conversation longer than the server's context keeps going."""
     pytest.importorskip("uvicorn")
     from helpers.serve import MODEL_NAME
 
-    from engine.llm import LLM
-    from engine.serve import ServerThread
+    from engine.runtime.llm import LLM
+    from engine.serve.server import ServerThread
     llm = LLM(tiny_chat_dir, backend="numpy", max_context=160, max_seqs=4)
     params = SamplingParams(max_new_tokens=12)
     with ServerThread(llm, MODEL_NAME) as server:

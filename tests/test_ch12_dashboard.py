@@ -19,8 +19,8 @@ playwright_api = pytest.importorskip("playwright.sync_api", reason="pip install 
 if CHROMIUM is None:
     pytest.skip("no chromium binary (apt-get install -y chromium, or set CHROMIUM=/path)", allow_module_level=True)
 
-from engine.llm import LLM  # noqa: E402
-from engine.serve import ServerThread  # noqa: E402
+from engine.runtime.llm import LLM  # noqa: E402
+from engine.serve.server import ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="module")

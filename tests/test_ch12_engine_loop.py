@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers.oracle import ForwardCounter, gen_model_dir, greedy_no_cache
 
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("both_schedulings")
 MAX_CONTEXT = 64
@@ -275,7 +275,7 @@ def test_cached_sessions_give_way_under_memory_pressure(serial):
 
 
 def llm_kv_bytes_per_token():
-    from engine.config import load_config
+    from engine.formats.config import load_config
     return load_config(gen_model_dir()).kv_bytes_per_token(4)
 
 

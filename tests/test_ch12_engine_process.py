@@ -1,4 +1,4 @@
-"""engine.engine_process: the engine in a child process behind RemoteLLM (what `python -m engine.serve`
+"""engine.runtime.engine_process: the engine in a child process behind RemoteLLM (what `python -m engine.serve`
 runs). Same tokens as LLM.generate, refusals as ValueError, a dead engine fails its requests."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import signal
 
 import pytest
 
-from engine.engine_process import EngineProcessError, RemoteLLM
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.runtime.engine_process import EngineProcessError, RemoteLLM
+from engine.runtime.llm import LLM
+from engine.runtime.sampling_params import SamplingParams
 
 OPTIONS = {"kv_cache_mib": 0.5, "max_context": 256, "max_seqs": 8}
 

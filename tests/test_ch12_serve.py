@@ -1,4 +1,4 @@
-"""`engine.serve` through the real `openai` client: the API's objects, streaming, stop strings, errors,
+"""`engine.serve.server` through the real `openai` client: the API's objects, streaming, stop strings, errors,
 disconnects, and a bounded load test on loopback (nothing lost, no page leaked, greedy outputs equal to
 LLM.generate)."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from helpers.serve import MODEL_NAME
 
 openai = pytest.importorskip("openai")
 
-from engine.engine_process import RemoteLLM  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.serve import ServerThread  # noqa: E402
+from engine.runtime.engine_process import RemoteLLM  # noqa: E402
+from engine.runtime.llm import LLM  # noqa: E402
+from engine.runtime.sampling_params import SamplingParams  # noqa: E402
+from engine.serve.server import ServerThread  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
 HELLO = [{"role": "user", "content": "Hello! Tell me about pages."}]

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.sampling import SamplingParams
-from engine.stop_strings import StopStringMatcher, truncate_at_stop
+from engine.runtime.sampling_params import SamplingParams
+from engine.text.stop_strings import StopStringMatcher, truncate_at_stop
 
 ALPHABET = "ab \né"      # few characters, so that stop strings actually occur and overlap
 
@@ -49,7 +49,7 @@ def test_sampling_params_stop_is_validated_and_normalized():
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_dir, both_schedulings):
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     return LLM(tiny_chat_dir, backend="numpy", max_context=128)
 
 
@@ -66,8 +66,8 @@ def test_generate_ends_at_a_stop_string(llm):
 
 
 def test_stop_strings_need_a_tokenizer(tmp_path):
-    from engine.llm import LLM
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
+    from engine.runtime.llm import LLM
     bare = LLM(write_random_model(tmp_path / "m", "tiny"), backend="numpy", max_context=64)
     with pytest.raises(ValueError, match="stop strings need text"):
         bare.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, stop="x"))
@@ -98,7 +98,7 @@ def test_events_are_made_when_read_and_every_reader_sees_the_same(llm):
 def test_host_bench_runs_and_its_digest_is_stable(capsys):
     import json
 
-    from engine.bench_host import main, workload
+    from engine.bench.host import main, workload
     records = []
     for _ in range(2):
         main(["--requests", "6", "--min-len", "4", "--max-len", "12", "--repeat", "1"])

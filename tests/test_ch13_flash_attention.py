@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.backend import bf16_to_f32, cupy_unavailable_reason, f32_to_bf16
-from engine.config import config_from_dict
+from engine.formats.config import config_from_dict
+from engine.model.random_model import PRESETS
 from engine.ops.attention import causal_attention_ref
 from engine.ops.flash_attention import FlashAttentionInputError, flash_attention, flash_attention_ref
-from engine.ops.paged_attention import kv_write_ref
-from engine.random_model import PRESETS
+from engine.ops.kv_write import kv_write_ref
 
 GQA = [(4, 4), (9, 3), (8, 2), (8, 1)]           # group sizes 1, 3, 4, 8
 BF16_TOL = 1e-2
@@ -169,9 +169,9 @@ def test_bad_layout_is_refused(cu, positions, message):
 def test_model_prefills_in_chunks_over_the_cache(tmp_path):
     """A prompt prefilled in three chunks into a paged cache gives the logits of one full pass."""
     import engine
-    from engine.kv_cache import KVCache
-    from engine.model import ForwardBatch
-    from engine.random_model import write_random_model
+    from engine.model.forward_pass import ForwardBatch
+    from engine.model.kv_cache import KVCache
+    from engine.model.random_model import write_random_model
     model = engine.load_model(write_random_model(tmp_path, "tiny", seed=4), backend="numpy")
     ids = np.random.default_rng(5).integers(3, 300, 90)
     full = model.logits(ids)
@@ -266,9 +266,9 @@ def test_gpu_model_chunked_prefill_matches_one_pass(tmp_path, preset):
     """On the GPU: a prompt prefilled in chunks over the paged cache (flash kernel, PAGED 1) gives
     the logits of one full pass (flash kernel, PAGED 0), within bf16."""
     import engine
-    from engine.kv_cache import KVCache
-    from engine.model import ForwardBatch
-    from engine.random_model import write_random_model
+    from engine.model.forward_pass import ForwardBatch
+    from engine.model.kv_cache import KVCache
+    from engine.model.random_model import write_random_model
     needs_tensor_cores()
     model = engine.load_model(write_random_model(tmp_path, preset, seed=4), backend="cupy", max_context=256)
     ids = np.random.default_rng(5).integers(3, 300, 200)

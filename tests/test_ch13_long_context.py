@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers.oracle import GEN_CONFIG, gen_model_dir, greedy_no_cache
 
-from engine.llm import CPU_KV_MIB, DEFAULT_MAX_CONTEXT, LLM, default_kv_mib, default_max_context
-from engine.model import load_model
-from engine.sampling import SamplingParams
+from engine.model.forward_pass import load_model
+from engine.runtime.llm import CPU_KV_MIB, DEFAULT_MAX_CONTEXT, LLM, default_kv_mib, default_max_context
+from engine.runtime.sampling_params import SamplingParams
 
 MODEL_MAX = GEN_CONFIG["max_position_embeddings"]        # 256
 
@@ -66,7 +66,7 @@ def test_prompts_of_many_budgets_match_the_no_cache_oracle(batching):
 
 
 def test_bench_long_context_scenarios_run_on_the_cpu(capsys):
-    from engine import bench
+    from engine.bench import run as bench
     bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "long-prefill", "chunked-itl",
                 "--lengths", "40", "--long-new-tokens", "4", "--max-batch-tokens", "16", "--itl-requests", "3",
                 "--itl-prompt-len", "8", "--long-prompt", "48"])
@@ -80,6 +80,6 @@ def test_bench_long_context_scenarios_run_on_the_cpu(capsys):
 
 
 def test_inter_token_latencies_take_the_gaps_that_end_in_the_window():
-    from engine.bench import inter_token_latencies
+    from engine.bench.run import inter_token_latencies
     times = {0: [1.0, 2.0, 4.0], 1: [1.5, 5.0]}
     assert sorted(inter_token_latencies(times, 1.9, 4.5)) == [1.0, 2.0]

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from test_ch09_11_scheduler import EOS, VOCAB, fake_next_token, params, run_alone, setups, tight_pool_setup
 
-from engine.kv_allocator import PageAllocator, SlotAllocator
-from engine.scheduler import PENDING, Scheduler, SchedulerError
+from engine.runtime.kv_allocator import PageAllocator, SlotAllocator
+from engine.runtime.scheduler import PENDING, Scheduler, SchedulerError
 
 
 def run_on_device(batch, cache: dict, previous) -> list[int]:
@@ -235,9 +235,9 @@ def test_only_the_rows_of_live_requests_must_have_finite_logits():
     """A request whose logits turned non-finite fails when its step completes; its row of the step
     already launched is non-finite too and must not fail the other requests of that step (a newcomer
     admitted there, which the one-step-at-a-time loop would have run without it)."""
-    from engine.llm import LaunchedStep
-    from engine.sampling import NonFiniteLogitsError, SampledTokens
-    from engine.scheduler import Batch, Row
+    from engine.ops.sampling import NonFiniteLogitsError, SampledTokens
+    from engine.runtime.llm import LaunchedStep
+    from engine.runtime.scheduler import Batch, Row
 
     rows = [Row(7, [PENDING], 5, [0, 1], None, 3, kind="decode"), Row(9, [4, 5], 0, [2], None, 0)]
     step = LaunchedStep(Batch(1, "mixed", rows, 4), rows,

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs per batch-size bucket (engine/graph_runner.py).
+"""Decode steps replayed as CUDA graphs per batch-size bucket (engine/runtime/cuda_graphs.py).
 
 CPU: the bucket rule, the packed input layout, and the padded decode step itself (run eagerly on the
 NumPy backend): its real rows equal an ordinary forward pass, and padding rows change nothing in
@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from engine.backend import cupy_unavailable_reason
-from engine.graph_runner import (
+from engine.model.forward_pass import ForwardBatch, load_model
+from engine.model.kv_cache import KVCache
+from engine.model.random_model import write_random_model
+from engine.runtime.cuda_graphs import (
     BUCKETS,
     DecodeGraphs,
     bucket_of,
@@ -20,9 +23,6 @@ from engine.graph_runner import (
     pack_decode_inputs,
     run_padded,
 )
-from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, load_model
-from engine.random_model import write_random_model
 
 needs_gpu = pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
 PAGE = 4
@@ -130,14 +130,14 @@ def test_graphs_off_on_cpu_and_by_switch(tiny_dir, monkeypatch):
     assert not graphs.enabled
     assert graphs.forward(decode_batch(np.random.default_rng(0), 2, PAGE, 16, 50, max_len=16)) is None
     monkeypatch.setenv("ENGINE_CUDA_GRAPHS", "0")
-    from engine.graph_runner import graphs_enabled_by_env
+    from engine.runtime.cuda_graphs import graphs_enabled_by_env
     assert not graphs_enabled_by_env()
     monkeypatch.setenv("ENGINE_CUDA_GRAPHS", "1")
     assert graphs_enabled_by_env()
 
 
 def test_llm_refuses_a_bad_cuda_graphs_value(tiny_dir):
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM(tiny_dir, backend="numpy", cuda_graphs="yes")
 
@@ -265,8 +265,8 @@ def test_plugin_turns_replay_off(tiny_dir):
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])
 def test_serving_with_and_without_graphs(tiny_dir, kind):
     """Whole greedy runs (requests of different lengths: the batch shrinks through the buckets)."""
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from engine.runtime.llm import LLM
+    from engine.runtime.sampling_params import SamplingParams
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 300, int(n)).tolist() for n in rng.integers(2, 30, 11)]
     params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in rng.integers(1, 25, 11)]

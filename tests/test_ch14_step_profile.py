@@ -1,15 +1,15 @@
-"""The per-op profile of one decode step (engine/step_profile.py) and the bench entries that use it."""
+"""The per-op profile of one decode step (engine/bench/step_profile.py) and the bench entries that use it."""
 import json
 
 import numpy as np
 import pytest
 
-import engine.model as model_module
+import engine.model.forward_pass as model_module
 from engine.backend import cupy_unavailable_reason
-from engine.kv_cache import KVCache
-from engine.model import load_model
-from engine.random_model import write_random_model
-from engine.step_profile import TIMED, OpTimer, decode_batch_for, profile_decode, profile_records
+from engine.bench.step_profile import TIMED, OpTimer, decode_batch_for, profile_decode, profile_records
+from engine.model.forward_pass import load_model
+from engine.model.kv_cache import KVCache
+from engine.model.random_model import write_random_model
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_profile_records(tiny_dir):
 
 
 def test_bench_profile_and_oversubscribed(tiny_dir, tmp_path, capsys):
-    from engine.bench import main
+    from engine.bench.run import main
     out = tmp_path / "profile.json"
     assert main(["--model", str(tiny_dir), "--backend", "numpy", "--scenario", "serve-oversubscribed",
                  "--max-context", "64", "--profile", "--profile-batches", "1", "3", "--profile-context", "20",
@@ -89,9 +89,9 @@ def test_profile_on_gpu(tiny_dir):
 
 
 def test_the_serving_floor_counts_bytes_and_flops_of_each_step():
-    from engine.bench import step_floor_seconds
-    from engine.config import config_from_dict
-    from engine.random_model import PRESETS
+    from engine.bench.run import step_floor_seconds
+    from engine.formats.config import config_from_dict
+    from engine.model.random_model import PRESETS
     cfg = config_from_dict(PRESETS["llama-3.2-1b"])            # tied embeddings
     head = cfg.vocab_size * cfg.hidden_size
     layers = cfg.num_parameters() - head

@@ -28,7 +28,7 @@ def test_rope_qkv_bias_norm_matches_numpy(Hq, Hkv, D, bias, norm, T):
     import cupy as cp
 
     from engine.backend import bf16_to_f32
-    from engine.config import config_from_dict
+    from engine.formats.config import config_from_dict
     from engine.ops.rope import rope_qkv, rope_tables
     cfg = config_from_dict({"model_type": "qwen3" if norm else "qwen2", "vocab_size": 10, "hidden_size": 8,
                             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": Hq,
@@ -57,7 +57,7 @@ def test_rope_qkv_bias_norm_matches_numpy(Hq, Hkv, D, bias, norm, T):
 @pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b"])
 def test_full_size_qwen_cupy_matches_numpy(tmp_path, preset):
     import engine
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     model_dir = write_random_model(tmp_path / preset, preset, seed=1)
     ids = np.random.default_rng(0).integers(0, 151643, 24)
     ref = engine.load_model(model_dir, backend="numpy").logits(ids)

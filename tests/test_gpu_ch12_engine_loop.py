@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     return write_random_model(tmp_path_factory.mktemp("smol"), "smollm2-135m", seed=3)
 
 
@@ -23,7 +23,7 @@ def test_graph_decode_equals_eager_decode(model_dir, kv_cache):
     of the graph): the same greedy tokens as eager steps, over several page boundaries and two
     requests in a row."""
     import engine
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     params = engine.SamplingParams(max_new_tokens=40, ignore_eos=True)
     prompts = [list(np.random.default_rng(s).integers(3, 200, n)) for s, n in ((0, 7), (1, 30))]
     graph = LLM(model_dir, backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=4, cuda_graphs=True)
@@ -37,7 +37,7 @@ def test_graph_decode_equals_eager_decode(model_dir, kv_cache):
 
 def test_threads_share_one_llm_on_gpu(model_dir):
     import engine
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     llm = LLM(model_dir, backend="cupy", max_context=256, max_seqs=8)
     params = engine.SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = [list(np.random.default_rng(s).integers(3, 200, 5 + s)) for s in range(16)]
@@ -60,8 +60,8 @@ def test_threads_share_one_llm_on_gpu(model_dir):
 def test_chat_on_gpu(default_model_dir):
     import io
 
-    from engine.chat import Chat
-    from engine.sampling import SamplingParams
+    from engine.chat.local import Chat
+    from engine.runtime.sampling_params import SamplingParams
     chat = Chat(default_model_dir, "cupy", SamplingParams(max_new_tokens=16), None, 512)
     out = io.StringIO()
     chat.answer("What is the capital of France?", out=out)
@@ -79,7 +79,7 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(model_dir, kv_c
     request has a seat from the start, so both loops run the same batches (with requests waiting
     for seats, a lookahead admits a newcomer one step later: other batches, other bf16 roundings)."""
     import engine
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 200, int(rng.integers(4, 90))).tolist() for _ in range(24)]
     params = [engine.SamplingParams(max_new_tokens=int(rng.integers(1, 40)), ignore_eos=True,

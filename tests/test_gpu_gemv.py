@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=str(S
 
 def tol(K):
     """bf16 operands (exact in fp32), fp32 accumulation, against float64: kernel_bench's bound."""
-    from engine.kernel_bench import _fp32_acc_tol
+    from engine.bench.kernels import _fp32_acc_tol
     return _fp32_acc_tol(K)
 
 
@@ -193,7 +193,7 @@ def test_model_logits_with_and_without_the_gemv(preset, tmp_path, monkeypatch):
     both within bf16 bounds of the NumPy backend, and of each other."""
     import engine
     import engine.ops.linear as linear_mod
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     model_dir = write_random_model(tmp_path / preset, preset, seed=3)
     ids = np.random.default_rng(0).integers(0, 200, 6)
     ref = engine.load_model(model_dir, backend="numpy").logits(ids)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     return write_random_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=3)
 
 
@@ -41,8 +41,9 @@ def test_embedding_gather_never_reads_past_the_table(H):
 def test_out_of_range_device_id_ends_in_a_named_error(tiny_dir):
     import cupy as cp
 
-    from engine.model import load_model
-    from engine.sampling import NonFiniteLogitsError, SamplingParams, sample
+    from engine.model.forward_pass import load_model
+    from engine.ops.sampling import NonFiniteLogitsError, sample
+    from engine.runtime.sampling_params import SamplingParams
     model = load_model(tiny_dir, backend="cupy", max_context=64)
     ids = cp.asarray(np.array([5, 9, 100000], dtype=np.int32))         # past the 397-row table
     pos = cp.arange(3, dtype=cp.int32)
@@ -60,7 +61,8 @@ def test_out_of_range_device_id_ends_in_a_named_error(tiny_dir):
 def test_gpu_sampler_refuses_non_finite_rows_and_agrees_on_finite_ones(poison):
     import cupy as cp
 
-    from engine.sampling import NonFiniteLogitsError, SamplingParams, sample
+    from engine.ops.sampling import NonFiniteLogitsError, sample
+    from engine.runtime.sampling_params import SamplingParams
     logits = np.random.default_rng(1).standard_normal((4, 1000)).astype(np.float32) * 3
     greedy = [SamplingParams()] * 4
     np.testing.assert_array_equal(sample(cp.asarray(logits), greedy, [0.0] * 4), sample(logits, greedy, [0.0] * 4))
@@ -71,8 +73,9 @@ def test_gpu_sampler_refuses_non_finite_rows_and_agrees_on_finite_ones(poison):
 
 
 def test_llm_on_gpu_names_the_request_and_keeps_serving(tiny_dir, monkeypatch):
-    from engine.llm import LLM
-    from engine.sampling import NonFiniteLogitsError, SamplingParams
+    from engine.ops.sampling import NonFiniteLogitsError
+    from engine.runtime.llm import LLM
+    from engine.runtime.sampling_params import SamplingParams
     llm = LLM(tiny_dir, backend="cupy", max_context=64, kv_cache_mib=16)
     forward = llm.model.forward
 
@@ -89,11 +92,11 @@ def test_llm_on_gpu_names_the_request_and_keeps_serving(tiny_dir, monkeypatch):
 
 @pytest.mark.parametrize("dtype, value", [("BF16", np.nan), ("F32", 3.4e38)])   # 3.4e38 rounds to bf16 inf
 def test_gpu_load_refuses_non_finite_weights(tmp_path, dtype, value):
-    from engine.config import load_config
-    from engine.model import load_model
-    from engine.random_model import random_weights, write_random_model
-    from engine.safetensors import save_file
-    from engine.weights import NonFiniteWeightsError
+    from engine.formats.config import load_config
+    from engine.formats.safetensors import save_file
+    from engine.model.forward_pass import load_model
+    from engine.model.random_model import random_weights, write_random_model
+    from engine.model.weights import NonFiniteWeightsError
     model_dir = write_random_model(tmp_path / "m", "tiny", seed=4)
     tensors = random_weights(load_config(model_dir), seed=4)
     tensors["model.layers.0.self_attn.v_proj.weight"].flat[3] = value

@@ -1,13 +1,13 @@
 """Every check `python -m engine.kernel_bench` runs, as pytest cases (GPU only; skipped elsewhere).
 
 kernel_bench prints a table; here a kernel whose output leaves its tolerance fails the test run,
-naming the kernel, the shape and the error. One test per kernel group of engine.kernel_bench.ALL,
+naming the kernel, the shape and the error. One test per kernel group of engine.bench.kernels.ALL,
 so a new group added there is checked here without editing this file.
 """
 import pytest
 
 from engine.backend import cupy_unavailable_reason
-from engine.kernel_bench import ALL, Bench
+from engine.bench.kernels import ALL, Bench
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]

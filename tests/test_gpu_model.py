@@ -19,7 +19,7 @@ ODD_HEAD_DIM = ["tiny-qwen2", "tiny-qwen3", "tiny-qwen3-mqa-untied"]
 
 @pytest.fixture(scope="module", params=PRESETS)
 def model_dir(request, tmp_path_factory):
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     return write_random_model(tmp_path_factory.mktemp(request.param), request.param, seed=3)
 
 
@@ -39,7 +39,7 @@ def test_cupy_logits_match_numpy(model_dir):
 def test_cached_decode_matches_recompute_on_gpu(model_dir):
     """Logits of a cached decode step (paged kernel) vs a full recomputation (cuBLAS path)."""
     import engine
-    from engine.chat_session import ChatSession
+    from engine.runtime.chat_session import ChatSession
     m = engine.load_model(model_dir, backend="cupy", max_context=128)   # every preset has >= 128 positions
     ids = list(np.random.default_rng(1).integers(0, 200, 40))
     toks = list(ChatSession(m).stream(ids, engine.SamplingParams(max_new_tokens=12, ignore_eos=True)))
@@ -52,7 +52,7 @@ def test_cached_decode_matches_recompute_on_gpu(model_dir):
 
 def test_serving_paths_agree_on_gpu(model_dir):
     import engine
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(3, 200, n)) for n in (5, 33, 17, 64, 9)]
     params = [engine.SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 3, 12, 6, 10)]
@@ -70,8 +70,8 @@ def test_chunked_prefill_agrees_on_gpu(model_dir):
     """Prompts of up to 300 tokens through a 48-token budget: chunks read their earlier chunks from the
     paged cache, mixed with decodes; tokens agree with unchunked prefill (near-ties aside, as above)."""
     import engine
-    from engine.config import load_config
-    from engine.llm import LLM
+    from engine.formats.config import load_config
+    from engine.runtime.llm import LLM
     max_context = min(400, load_config(model_dir).max_position_embeddings)   # tiny presets: 128-256
     rng = np.random.default_rng(4)
     prompts = [list(rng.integers(3, 200, n * max_context // 400)) for n in (300, 7, 150, 61)]
@@ -90,7 +90,7 @@ def test_chunked_prefill_agrees_on_gpu(model_dir):
 
 def test_seeded_sampling_reproducible_on_gpu(model_dir):
     import engine
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     llm = LLM(model_dir, backend="cupy", max_context=128, max_seqs=4)
     p = engine.SamplingParams(max_new_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
     a = llm.generate([[5, 6, 7, 8]] * 3, p)
@@ -117,7 +117,7 @@ def test_hello_kernels():
 @pytest.mark.parametrize("preset", ODD_HEAD_DIM)
 def test_head_dims_the_kernels_cannot_take_are_refused_at_load(preset, tmp_path):
     import engine
-    from engine.config import ConfigError
-    from engine.random_model import write_random_model
+    from engine.formats.config import ConfigError
+    from engine.model.random_model import write_random_model
     with pytest.raises(ConfigError, match="power-of-two head_dim"):
         engine.load_model(write_random_model(tmp_path, preset, seed=3), backend="cupy")

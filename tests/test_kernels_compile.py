@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import sampling
-from engine.ops import argmax, flash_attention, gemv, paged_attention
+from engine.ops import argmax, flash_attention, gemv, paged_attention, sampling
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 # the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions

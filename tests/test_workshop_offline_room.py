@@ -8,7 +8,7 @@ import pytest
 
 import engine
 from engine import prefetch
-from engine.default_model import is_converted
+from engine.model.default_model import is_converted
 
 
 class NetworkUsed(OSError):

@@ -5,8 +5,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.config import config_from_dict
 from engine.exercises.ch03 import run_array_checks
+from engine.formats.config import config_from_dict
 from engine.ops.rmsnorm import rmsnorm_ref
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from engine.exercises import check_cases
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.text.tokenizer import Tokenizer, load_tokenizer
 
 
 @lru_cache(maxsize=1)
@@ -47,7 +47,7 @@ def check_merge_loop(fn: Callable[[list[str], dict[tuple[str, str], int]], list[
 
 def word_text(word: str) -> str:
     """A word written in byte-map characters -> the text it stands for ("Ġcat" -> " cat")."""
-    from engine.tokenizer import CHAR_TO_BYTE
+    from engine.text.tokenizer import CHAR_TO_BYTE
 
     return bytes(CHAR_TO_BYTE[c] for c in word).decode("utf-8", errors="replace")
 

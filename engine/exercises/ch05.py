@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.config import RopeScaling, config_from_dict
 from engine.exercises.ch03 import run_array_checks
+from engine.formats.config import RopeScaling, config_from_dict
+from engine.model.random_model import PRESETS
 from engine.ops.rope import rope_inv_freq, rope_ref, rope_tables
-from engine.random_model import PRESETS
 
 _BASE = config_from_dict(PRESETS["tiny"])
 

@@ -8,14 +8,14 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.exercises.ch03 import run_array_checks
-from engine.model import load_model
+from engine.model.forward_pass import load_model
+from engine.model.random_model import write_random_model
 from engine.ops.attention import prefill_attention, softmax
 from engine.ops.embedding import embedding
 from engine.ops.linear import linear
-from engine.ops.mlp import silu, swiglu_ref
 from engine.ops.rmsnorm import rmsnorm
 from engine.ops.rope import rope_qkv
-from engine.random_model import write_random_model
+from engine.ops.swiglu import silu, swiglu_ref
 
 
 def check_silu(fn: Callable) -> bool:

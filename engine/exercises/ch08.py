@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.config import LlamaConfig, config_from_dict
 from engine.exercises import call_learner, check_cases
 from engine.exercises.ch03 import describe, run_array_checks
-from engine.kv_cache import KVCache
-from engine.model import ForwardBatch, load_model
-from engine.random_model import PRESETS, write_random_model
+from engine.formats.config import LlamaConfig, config_from_dict
+from engine.model.forward_pass import ForwardBatch, load_model
+from engine.model.kv_cache import KVCache
+from engine.model.random_model import PRESETS, write_random_model
 
 # ----------------------------------------------------------------------------- the cache append
 
@@ -188,7 +188,7 @@ def check_decode_loop(fn: Callable) -> bool:
 
 def top_p_keep_ref(probs: np.ndarray, top_p: float) -> np.ndarray:
     """bool [V]: the smallest set of most likely tokens whose probability sum reaches top_p, plus every
-    token tied with the least likely one kept (engine.sampling.keep_mask with temperature 1, no top-k)."""
+    token tied with the least likely one kept (engine.ops.sampling.keep_mask with temperature 1, no top-k)."""
     p = np.asarray(probs, dtype=np.float64)
     desc = np.sort(p)[::-1]
     n = int(np.searchsorted(np.cumsum(desc), top_p * p.sum(), side="left"))

@@ -10,12 +10,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.config import config_from_dict
 from engine.exercises import check_cases
-from engine.kv_allocator import KVAllocator, SlotAllocator
-from engine.random_model import PRESETS
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from engine.formats.config import config_from_dict
+from engine.model.random_model import PRESETS
+from engine.runtime.kv_allocator import KVAllocator, SlotAllocator
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.scheduler import Scheduler
 
 STAND_IN_TOKEN = 7
 

@@ -15,10 +15,10 @@ from engine.exercises.serving_check import (
     compare_step_logs,
     tiny_model_dir,
 )
-from engine.kv_allocator import PageAllocator
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_log import request_latencies
+from engine.runtime.kv_allocator import PageAllocator
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.step_log import request_latencies
 
 # The workload of the by-hand exercise: request i has prompt_lens[i] prompt tokens, generates
 # max_new[i] tokens (eos never stops it) and is submitted after arrivals[i] steps have run.
@@ -147,7 +147,7 @@ class _Log(list):
 # ----------------------------------------------------------------------------- write schedule() yourself
 
 class SchedulerSkeleton(Scheduler):
-    """engine.scheduler.Scheduler (continuous batching) with its two decisions left to you.
+    """engine.runtime.scheduler.Scheduler (continuous batching) with its two decisions left to you.
 
     `schedule()` stays the engine's transaction (it saves the state so that a failed batch can be
     undone, numbers the batch and writes the step log); what goes into the batch is yours:

@@ -8,10 +8,10 @@ from collections.abc import Callable
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
-from engine.kv_allocator import PageAllocator
 from engine.ops.paged_attention import NWARPS
-from engine.sampling import SamplingParams
-from engine.scheduler import Batch, InvalidRequest, Row, Scheduler
+from engine.runtime.kv_allocator import PageAllocator
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.scheduler import Batch, InvalidRequest, Row, Scheduler
 
 # ----------------------------------------------------------------------------- the lookup
 
@@ -287,7 +287,7 @@ def check_paged_attention_kernel(source=None) -> bool | None:
 # ----------------------------------------------------------------------------- write the page allocator yourself
 
 class PageAllocatorSkeleton(PageAllocator):
-    """engine.kv_allocator.PageAllocator with reserve, free and rollback left to you.
+    """engine.runtime.kv_allocator.PageAllocator with reserve, free and rollback left to you.
 
     The state (all yours to change):
       self.free_list   deque of free page numbers: take from the LEFT (popleft), give back on the RIGHT
@@ -355,7 +355,7 @@ def _allocator_scripts(seed: int):
 
 def _apply(allocator, op) -> str:
     """Run one operation; what it returned or raised, as text."""
-    from engine.kv_allocator import AllocatorError, OutOfPages
+    from engine.runtime.kv_allocator import AllocatorError, OutOfPages
     try:
         result = getattr(allocator, op[0])(*op[1:])
     except OutOfPages:

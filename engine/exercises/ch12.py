@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.config import LlamaConfig
 from engine.exercises import check_cases
 from engine.exercises.ch08 import config_label, preset_config
-from engine.kv_allocator import PageAllocator, SlotAllocator
-from engine.random_model import write_random_model
-from engine.sampling import SamplingParams
-from engine.step_log import summarize
+from engine.formats.config import LlamaConfig
+from engine.model.random_model import write_random_model
+from engine.runtime.kv_allocator import PageAllocator, SlotAllocator
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.step_log import summarize
 
 GIB = 2**30
 
@@ -129,7 +129,7 @@ def step_log_summary_ref(step_log: list[dict]) -> tuple[int, int, float]:
 
 def serving_logs() -> list[list[dict]]:
     """Real step logs of engine.LLM on a tiny random model: static and continuous, roomy and tight pools."""
-    from engine.llm import LLM
+    from engine.runtime.llm import LLM
     rng = np.random.default_rng(5)
     logs = []
     with tempfile.TemporaryDirectory(prefix="ch12_") as d:

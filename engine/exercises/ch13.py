@@ -133,9 +133,9 @@ def _unmasked(q, k, v, scale):
 
 def chunk_schedule_ref(prompt_len: int, num_decoding: int, max_batch_tokens: int) -> list[int]:
     """The real scheduler's chunks of a prompt that arrives while num_decoding requests decode."""
-    from engine.kv_allocator import PageAllocator
-    from engine.sampling import SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.runtime.kv_allocator import PageAllocator
+    from engine.runtime.sampling_params import SamplingParams
+    from engine.runtime.scheduler import Scheduler
     steps = prompt_len // max(1, max_batch_tokens - num_decoding) + 2    # the decodes outlive the prefill
     pages = (num_decoding * (steps + 2) + prompt_len) // 16 + num_decoding + 2   # room for everyone
     sched = Scheduler(PageAllocator(pages, 16), max_seqs=num_decoding + 1, max_batch_tokens=max_batch_tokens,

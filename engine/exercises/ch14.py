@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from engine.config import LlamaConfig
 from engine.exercises import check_cases
 from engine.exercises.ch08 import config_label, preset_config
 from engine.exercises.ch12 import decode_floor_ref
+from engine.formats.config import LlamaConfig
 
 IDLE = "idle"      # the label of the time no kernel runs (the GPU waits for the host)
 

@@ -22,12 +22,14 @@ import numpy as np
 
 from engine.ops.attention import causal_attention_ref
 from engine.ops.embedding import embedding_ref
-from engine.ops.mlp import swiglu_ref
-from engine.ops.paged_attention import kv_write_ref, paged_attention_ref
+from engine.ops.kv_write import kv_write_ref
+from engine.ops.paged_attention import paged_attention_ref
 from engine.ops.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 from engine.ops.rope import rope_ref
+from engine.ops.sampling import sample_ref
+from engine.ops.swiglu import swiglu_ref
 from engine.plugins import STAGES, use_stages
-from engine.sampling import SamplingParams, sample_ref
+from engine.runtime.sampling_params import SamplingParams
 
 # The engine's NumPy implementation of every stage, in the signature engine/plugins.py documents.
 ENGINE_STAGES: dict[str, Callable] = {
@@ -162,7 +164,7 @@ def _stage_set(yours: dict[str, Callable]) -> dict[str, Callable]:
 
 def _run(model, prompt_ids: list[int], stages: dict[str, Callable], params: SamplingParams):
     """(records, generated ids, final-pass logits) of one full causal pass plus one greedy generation."""
-    from engine.chat_session import ChatSession
+    from engine.runtime.chat_session import ChatSession
     recorder = _Recorder()
     with use_stages({name: recorder.wrap(name, fn) for name, fn in stages.items()}):
         logits = model.logits(prompt_ids)

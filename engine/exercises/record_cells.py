@@ -222,8 +222,8 @@ def copy_repository(src: Path, dst: Path) -> list[str]:
 
 
 def default_model_name() -> str:
-    from engine.default_model import GGUF_SHA256, MODEL_NAME, ensure_default_model
-    from engine.gguf_convert import read_marker
+    from engine.formats.gguf_convert import read_marker
+    from engine.model.default_model import GGUF_SHA256, MODEL_NAME, ensure_default_model
     model_dir = ensure_default_model()
     marker = read_marker(model_dir) or {}
     return MODEL_NAME if marker.get("source_sha256") == GGUF_SHA256 else model_dir.name

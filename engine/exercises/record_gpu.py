@@ -1,7 +1,7 @@
 """`python -m engine.exercises.record_gpu`: record what the GPU track prints on this GPU.
 
 Runs every worked solution (kernels_cu/exercises/solutions/) through its checker, and the kernel
-ladder of `engine.kernel_bench` (each stage's naive and fast kernels), then writes the printed
+ladder of `engine.bench.kernels` (each stage's naive and fast kernels), then writes the printed
 verdicts, the ladder's rows, the device and the date to engine/exercises/recorded/gpu_run.json. The
 chapters show that file to learners without a GPU, labelled as a recorded run. Exits non-zero when
 a solution fails its checker or a ladder kernel fails its reference check (nothing is written then).
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
             failed.append(name)
     run = {"device": gpu_name(), "date": datetime.date.today().isoformat(), "checks": checks}
     if not args.skip_ladder:
-        from engine.kernel_bench import Bench
+        from engine.bench.kernels import Bench
         bench = Bench(quick=False)
         bench.ladder()
         run["copy_gbps"] = round(bench.copy_gbps, 1)

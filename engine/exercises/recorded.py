@@ -4,7 +4,7 @@ Two recordings, both made on a CUDA machine and both labelled as a recorded run 
 shown; nothing here is computed on the CPU:
 
   * `python -m engine.exercises.record_gpu` runs every worked solution through its checker and the
-    kernel ladder of `engine.kernel_bench` -> engine/exercises/recorded/gpu_run.json
+    kernel ladder of `engine.bench.kernels` -> engine/exercises/recorded/gpu_run.json
     (`show_recorded`, `show_ladder`: the CUDA exercise checkers and the ladder cells);
   * `python -m engine.exercises.record_cells` runs the chapter notebooks and keeps what every GPU
     cell printed -> engine/exercises/recorded/gpu_cells.json (`show_recorded_cell`: the skip branch

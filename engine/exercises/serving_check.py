@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import tempfile
 
-from engine.sampling import SamplingParams
+from engine.runtime.sampling_params import SamplingParams
 
 # What a step log entry must agree on (timings and the entry's own counters are left out).
 STEP_FIELDS = ("kind", "request_ids", "admitted", "preempted", "recomputed_tokens", "finished", "running",
@@ -79,7 +79,7 @@ def default_params(n: int, max_new_tokens: int = 16) -> list[SamplingParams]:
 @functools.cache
 def tiny_model_dir(preset: str = "tiny") -> str:
     """A tiny random-weight model directory (fp32), written once per process into a temporary folder."""
-    from engine.random_model import write_random_model
+    from engine.model.random_model import write_random_model
     return str(write_random_model(tempfile.mkdtemp(prefix=f"engine_{preset}_"), preset, seed=8, dtype="F32"))
 
 

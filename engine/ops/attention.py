@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.backend import is_device_array, load_kernel, matmul
-from engine.config import LlamaConfig
+from engine.formats.config import LlamaConfig
 from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 

@@ -3,7 +3,7 @@
 An id outside [0, V) has no row. Ids that come from the host are refused here with a ValueError;
 ids already on the GPU cannot be read without a sync, so the kernel never reads out of bounds and
 fills such a token's row with NaN instead: the non-finite logits it leads to are refused by the
-sampler (engine/sampling.py), naming the request and the step.
+sampler (engine/runtime/sampling_params.py), naming the request and the step.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.backend import is_device_array, load_kernel, tensor_cores_usable
-from engine.config import LlamaConfig
+from engine.formats.config import LlamaConfig
 from engine.ops.attention import split_qkv
 
 # The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from engine.backend import KERNELS_DIR, is_device_array, load_kernel, load_source, sm_count, tensor_cores_usable
-from engine.config import ConfigError, LlamaConfig
+from engine.formats.config import ConfigError, LlamaConfig
 from engine.ops.attention import softmax, split_qkv
 from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
@@ -29,38 +29,6 @@ def tensor_core_warps(head_dim: int) -> int | None:
     if head_dim % 16 or head_dim > 128:
         return None
     return NWARPS if head_dim <= 64 else 2
-
-
-def kv_write_ref(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, slot_mapping) -> None:
-    """k, v [T, Hkv, D] -> the cache rows slot_mapping[t] of k_cache/v_cache [NB, BS, Hkv, D].
-
-    A negative slot is a padding row (a CUDA-graph batch bucket, engine/graph_runner.py): not written."""
-    Hkv, D = k_cache.shape[2:]
-    slot_mapping = np.asarray(slot_mapping)
-    real = slot_mapping >= 0
-    if not real.all():
-        k, v, slot_mapping = k[real], v[real], slot_mapping[real]
-    k_cache.reshape(-1, Hkv, D)[slot_mapping] = k
-    v_cache.reshape(-1, Hkv, D)[slot_mapping] = v
-
-
-def kv_write(qkv, slot_mapping, k_cache, v_cache, config: LlamaConfig) -> None:
-    """Store the k and v heads of a QKV buffer [T, (Hq + 2Hkv) * D] (after RoPE) in the cache."""
-    plug = OVERRIDES.get("kv_write")             # your stage (engine/plugins.py), if one is active
-    if not is_device_array(qkv):
-        _, k, v = split_qkv(qkv, config)
-        write = kv_write_ref
-        if plug is not None:
-            plug.require_function()
-            write = plug.fn
-        write(k, v, k_cache, v_cache, np.asarray(slot_mapping))
-        return
-    if plug is not None and plug.fn is not None:
-        cache_function_on_gpu("kv_write")
-    T = qkv.shape[0]
-    if T:
-        kernel = plug.kernel() if plug is not None else load_kernel("kv_write", "kv_write")
-        kernel((T,), (128,), (qkv, slot_mapping, k_cache, v_cache, np.int32(config.q_dim), np.int32(config.kv_dim)))
 
 
 def paged_attention_ref(q, k_cache, v_cache, page_tables, seq_idx, positions, scale: float) -> np.ndarray:

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from engine.backend import is_device_array, load_kernel
-from engine.config import LlamaConfig
+from engine.formats.config import LlamaConfig
 from engine.ops.rmsnorm import rmsnorm_ref
 from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 

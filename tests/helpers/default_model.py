@@ -27,7 +27,7 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def default_gguf_path(tmp_path_factory) -> Path:
-    from engine.default_model import download_default_gguf
+    from engine.model.default_model import download_default_gguf
     return download_default_gguf(tmp_path_factory.mktemp("gguf"), log=lambda *a, **k: None)
 
 

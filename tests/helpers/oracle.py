@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.random_model import PRESETS, write_random_model
+from engine.model.random_model import PRESETS, write_random_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -11,7 +11,7 @@ import shutil
 from importlib.resources import files
 from pathlib import Path
 
-from engine.random_model import PRESETS, write_random_model
+from engine.model.random_model import PRESETS, write_random_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MODEL_NAME = "tiny-chat"

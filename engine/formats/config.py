@@ -1,0 +1,419 @@
+"""Model configuration: config.json (+ generation_config.json) -> a validated dataclass (chapter 01).
+
+Three families share one forward pass, selected by config.json's `model_type` / `architectures`:
+  * llama  (`LlamaForCausalLM`: Llama 3.x, SmolLM2): the baseline;
+  * qwen2  (`Qwen2ForCausalLM`: Qwen2, Qwen2.5): + a bias on the q, k and v projections (`qkv_bias`);
+  * qwen3  (`Qwen3ForCausalLM`): + an RMSNorm over each q and k head before RoPE (`qk_norm`), and a
+    head_dim of its own (128 when config.json does not say).
+Settings that would change the math and that this engine does not implement are refused, never
+approximated (for Qwen: sliding-window attention when a layer would actually use it).
+
+Both layouts transformers has written are read:
+  * older:   top-level `rope_theta` and `rope_scaling` ({"rope_type": "llama3", "factor": ...});
+  * current: `rope_parameters` ({"rope_type": ..., "rope_theta": ..., plus the scaling values}).
+A config that gives both, and disagrees, is refused rather than guessed at.
+
+Types are strict, as JSON writes them: a size is an integer (not 64.0, not "64"), a flag is
+true/false (not "false", not 0), a number is finite and inside a range a real model can have.
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """config.json describes something this engine cannot run (or is malformed)."""
+
+
+MAX_INT32 = 2**31 - 1          # token ids and positions are int32 on both backends
+MAX_SIZE = 2**24               # any one dimension (hidden, heads, layers, ...): far past any real model
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency scaling (rope_type 'llama3'): stretches the long wavelengths."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that fix every tensor's shape (engine/model/weights.py: expected_shapes)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool      # Qwen2: q/k/v projections carry a bias ([qkv_dim] per layer)
+    qk_norm: bool       # Qwen3: RMSNorm (weights [head_dim]) over each q and k head before RoPE
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 = MHA, n_heads = MQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelShape):
+    """The one config of the forward pass, for every supported family (see the module docstring)."""
+
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """K and V of one token across all layers (Llama-3.2-1B in bf16: 32 KiB)."""
+        return 2 * self.num_hidden_layers * self.kv_dim * bytes_per_value
+
+    def num_parameters(self) -> int:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        per_layer = h * self.qkv_dim + self.q_dim * h + 3 * h * i + 2 * h
+        per_layer += self.qkv_dim * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + L * per_layer + h + head
+
+    def to_hf_dict(self) -> dict:
+        """A config.json dict (older layout) that transformers reads back to the same model."""
+        d = {"architectures": [FAMILIES[self.model_type]], "model_type": self.model_type, "hidden_act": "silu",
+             "torch_dtype": "bfloat16"}
+        if self.model_type != "qwen2":          # Qwen2 always has its q/k/v biases: no key for them
+            d.update(attention_bias=False, mlp_bias=False)
+        for k, v in asdict(self).items():
+            if k in ("extra", "eos_token_ids", "rope_scaling", "qkv_bias", "qk_norm", "model_type"):
+                continue
+            d[k] = v
+        d["rope_scaling"] = None if self.rope_scaling is None else {"rope_type": "llama3", **asdict(self.rope_scaling)}
+        d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Strict readers: each names the key it refuses
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_int(d: dict, key: str, default=None, lo: int = 1, hi: int = MAX_SIZE, where: str = "config.json") -> int:
+    v = d.get(key, default)
+    if not _is_int(v) or not lo <= v <= hi:
+        raise ConfigError(f"{where}: '{key}' must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def read_float(d: dict, key: str, default: float, lo: float, hi: float, where: str = "config.json",
+               lo_open: bool = False) -> float:
+    v = d.get(key, default)
+    ok = _is_number(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+    if not ok:
+        raise ConfigError(f"{where}: '{key}' must be a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}], "
+                          f"got {v!r}")
+    return float(v)
+
+
+def read_bool(d: dict, key: str, default: bool, where: str = "config.json") -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: '{key}' must be true or false, got {v!r}")
+    return v
+
+
+def _same(value, allowed: tuple) -> bool:
+    """Equal and of the same JSON type: 0 is not false, "false" is not false, 1.0 only if listed."""
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
+# model_type -> its architecture name. The family fixes the two variations of the forward pass.
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_QKV_BIAS = {"llama": False, "qwen2": True, "qwen3": False}
+_QK_NORM = {"llama": False, "qwen2": False, "qwen3": True}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}        # transformers' Qwen3Config default; others: hidden / heads
+# Keys the Qwen families define themselves (checked by _check_sliding_window, not by _NEUTRAL)
+_QWEN_OWN = {"qwen2": {"sliding_window", "use_sliding_window", "max_window_layers", "attention_bias"},
+             "qwen3": {"sliding_window", "use_sliding_window", "max_window_layers"}}
+
+# Keys that change the math in a way this engine does not implement: each must be absent or hold
+# one of these values (the first is the one the engine runs).
+_NEUTRAL = {
+    "hidden_act": ("silu", "swish"),                 # the same function under two names
+    "attention_bias": (False,),
+    "mlp_bias": (False,),
+    "partial_rotary_factor": (1.0, 1),
+    "sliding_window": (None,),
+    "use_sliding_window": (False,),
+    "max_window_layers": (None,),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "qk_norm": (False,),
+    "use_qk_norm": (False,),
+    "no_rope_layers": (None,),
+    "quantization_config": (None,),
+    "embedding_multiplier": (None, 1.0, 1),
+    "logits_scaling": (None, 1.0, 1),
+    "residual_multiplier": (None, 1.0, 1),
+    "attention_multiplier": (None,),
+    "num_experts": (None, 0),
+    "num_local_experts": (None, 0),
+}
+
+
+def _check_neutral(d: dict, model_type: str = "llama") -> None:
+    own = _QWEN_OWN.get(model_type, set())
+    for key, allowed in _NEUTRAL.items():
+        if key in d and key not in own and not _same(d[key], allowed):
+            raise ConfigError(f"config.json: {key}={d[key]!r} changes the math and is not supported "
+                              f"(supported: {allowed[0]!r})")
+    if "pretraining_tp" in d:   # only splits the GEMMs while training: the same math
+        read_int(d, "pretraining_tp", lo=1)
+    layer_types = d.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or any(t != "full_attention" for t in layer_types)):
+        raise ConfigError(f"config.json: layer_types={layer_types!r} is not supported "
+                          "(every layer must be 'full_attention')")
+
+
+def _check_sliding_window(d: dict, num_layers: int) -> None:
+    """Qwen2/Qwen3 (transformers' rule): layer i uses a sliding window when use_sliding_window is true,
+    sliding_window is set and i >= max_window_layers. Any such layer is refused; the keys alone, as
+    every Qwen config.json writes them (use_sliding_window: false), change nothing."""
+    use = read_bool(d, "use_sliding_window", False)
+    window = d.get("sliding_window")
+    if window is not None:
+        read_int(d, "sliding_window", hi=MAX_INT32)
+    first = read_int(d, "max_window_layers", 28, lo=0, hi=MAX_INT32)
+    if use and window is not None and first < num_layers and d.get("layer_types") is None:
+        raise ConfigError(f"config.json: use_sliding_window=true with sliding_window={window} and "
+                          f"max_window_layers={first} puts layers {first}..{num_layers - 1} on sliding-window "
+                          "attention, which is not supported")
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE: both layouts
+
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor",
+               "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}
+ROPE_THETA_RANGE = (1.0, 1e12)     # a base <= 1 makes frequencies grow along the head, not decay
+
+
+def _rope_dict(d: dict) -> tuple[str, dict]:
+    """(the key it came from, the rope dict) with transformers' priority: rope_scaling, else rope_parameters."""
+    found = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        v = d.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"config.json: '{key}' must be an object or null, got {v!r}")
+        if v:
+            found[key] = v
+    if len(found) == 2:
+        raise ConfigError("config.json gives both 'rope_scaling' (older layout) and 'rope_parameters' "
+                          "(current layout); keep one")
+    return next(iter(found.items()), ("rope_parameters", {}))
+
+
+def _rope(d: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from either layout."""
+    where, rope = _rope_dict(d)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if "rope_type" in rope and "type" in rope and rope["type"] != rope["rope_type"]:
+        raise ConfigError(f"config.json: {where} has rope_type={rope['rope_type']!r} and type={rope['type']!r}")
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(f"config.json: {where}.rope_type={kind!r} is not supported (only 'default' or 'llama3')")
+    unknown = sorted(set(rope) - _ROPE_KEYS[kind])
+    if unknown:
+        raise ConfigError(f"config.json: {where}.{unknown[0]} is not used by rope_type {kind!r}; "
+                          "refusing a setting this engine would ignore")
+    if "partial_rotary_factor" in rope and not _same(rope["partial_rotary_factor"], _NEUTRAL["partial_rotary_factor"]):
+        raise ConfigError(f"config.json: {where}.partial_rotary_factor={rope['partial_rotary_factor']!r} "
+                          "changes the math and is not supported (supported: 1.0)")
+    if "rope_theta" in rope and "rope_theta" in d and rope["rope_theta"] != d["rope_theta"]:
+        raise ConfigError(f"config.json: rope_theta={d['rope_theta']!r} and {where}.rope_theta="
+                          f"{rope['rope_theta']!r} disagree")
+    theta_from = rope if "rope_theta" in rope else d
+    theta = read_float(theta_from, "rope_theta", 10000.0, *ROPE_THETA_RANGE, lo_open=True,
+                       where="config.json" if theta_from is d else f"config.json {where}")
+    if kind == "default":
+        return theta, None
+    w = f"config.json {where}"
+    # transformers fills a missing original context from max_position_embeddings; a top-level one wins
+    source = d if "original_max_position_embeddings" in d else rope
+    scaling = RopeScaling(
+        factor=read_float(rope, "factor", None, 1.0, 1e6, where=w),
+        low_freq_factor=read_float(rope, "low_freq_factor", None, 0.0, 1e6, where=w, lo_open=True),
+        high_freq_factor=read_float(rope, "high_freq_factor", None, 0.0, 1e6, where=w, lo_open=True),
+        original_max_position_embeddings=read_int(source, "original_max_position_embeddings", max_positions,
+                                                  hi=MAX_INT32, where=w))
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ConfigError(f"{w}: llama3 values are inconsistent: high_freq_factor={scaling.high_freq_factor} "
+                          f"must be greater than low_freq_factor={scaling.low_freq_factor}")
+    return theta, scaling
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes, token ids, the whole config
+
+def model_family(d: dict) -> str:
+    """config.json's model_type, checked against its architectures: 'llama', 'qwen2' or 'qwen3'."""
+    if not isinstance(d, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    if model_type not in FAMILIES or (archs and archs != [FAMILIES[model_type]]):
+        supported = ", ".join(f"{t} ({a})" for t, a in FAMILIES.items())
+        raise ConfigError(f"unsupported model: model_type={model_type!r} architectures={archs!r}; "
+                          f"this engine runs: {supported}")
+    return model_type
+
+
+def model_shape(d: dict) -> ModelShape:
+    """The sizes of a config.json dict, validated (also what the GGUF converter checks its tensors by)."""
+    family = model_family(d)
+    n_heads = read_int(d, "num_attention_heads")
+    n_kv = read_int(d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else n_heads
+    if n_heads % n_kv:
+        raise ConfigError(f"config.json: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+    hidden = read_int(d, "hidden_size")
+    if d.get("head_dim") is not None:
+        head_dim = read_int(d, "head_dim")
+    elif family in _DEFAULT_HEAD_DIM:
+        head_dim = _DEFAULT_HEAD_DIM[family]
+    elif hidden % n_heads == 0:
+        head_dim = hidden // n_heads
+    else:
+        raise ConfigError(f"config.json: hidden_size={hidden} is not divisible by "
+                          f"num_attention_heads={n_heads} and no head_dim is given")
+    if head_dim % 2:
+        raise ConfigError(f"config.json: head_dim={head_dim} must be even for rotary embeddings")
+    if n_heads * head_dim > MAX_SIZE:
+        raise ConfigError(f"config.json: num_attention_heads * head_dim = {n_heads * head_dim} is too large")
+    return ModelShape(vocab_size=read_int(d, "vocab_size", hi=MAX_INT32), hidden_size=hidden,
+                      intermediate_size=read_int(d, "intermediate_size"),
+                      num_hidden_layers=read_int(d, "num_hidden_layers"),
+                      num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
+                      tie_word_embeddings=read_bool(d, "tie_word_embeddings", False),
+                      qkv_bias=_QKV_BIAS[family], qk_norm=_QK_NORM[family])
+
+
+def _token_ids(v, key: str, vocab_size: int) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    items = v if isinstance(v, list) else [v]
+    if not all(_is_int(x) and 0 <= x < vocab_size for x in items):
+        raise ConfigError(f"'{key}' must be a token id or a list of token ids in [0, {vocab_size}), got {v!r}")
+    return tuple(items)
+
+
+def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaConfig:
+    """Validate a config.json dict; generation_config (if given) adds eos ids."""
+    family = model_family(d)
+    if generation_config is not None and not isinstance(generation_config, dict):
+        raise ConfigError("generation_config.json must hold a JSON object")
+    _check_neutral(d, family)
+    shape = model_shape(d)
+    if family != "llama":
+        _check_sliding_window(d, shape.num_hidden_layers)
+    V = shape.vocab_size
+    max_positions = read_int(d, "max_position_embeddings", 2048, lo=2, hi=MAX_INT32)
+    theta, scaling = _rope(d, max_positions)
+    eos = _token_ids(d.get("eos_token_id"), "eos_token_id", V)
+    bos = d.get("bos_token_id")
+    if generation_config:
+        eos = eos + tuple(i for i in _token_ids(generation_config.get("eos_token_id"),
+                                                "generation_config eos_token_id", V) if i not in eos)
+        bos = generation_config.get("bos_token_id", bos)
+    if bos is not None:
+        _token_ids(bos, "bos_token_id", V)
+    return LlamaConfig(
+        **asdict(shape),
+        rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0, lo_open=False),
+        rope_theta=theta, max_position_embeddings=max_positions, rope_scaling=scaling,
+        bos_token_id=bos, eos_token_ids=eos, model_type=family, extra=d,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine settings, checked against the model before any weight is read
+
+def _is_integral(v) -> bool:
+    """Python or NumPy integers; never bools (True is not a count)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def check_serving_args(config: LlamaConfig, *, max_context=None, max_seqs=None, max_batch_tokens=None,
+                       page_size=16, kv_cache_mib=None) -> None:
+    """Raise ValueError naming the first engine setting that cannot work with this model.
+
+    max_context: 2 .. max_position_embeddings (room for one prompt token and one new one);
+    max_seqs, max_batch_tokens, page_size: integers >= 1; kv_cache_mib: a finite number > 0.
+    None means "the engine's default" for every setting that has one.
+    """
+    bounds = {"max_context": (max_context, 2, config.max_position_embeddings),
+              "max_seqs": (max_seqs, 1, 2**20), "max_batch_tokens": (max_batch_tokens, 1, MAX_INT32),
+              "page_size": (page_size, 1, 2**20)}
+    for name, (value, lo, hi) in bounds.items():
+        if value is None and name != "page_size":
+            continue
+        if not _is_integral(value) or not lo <= value <= hi:
+            raise ValueError(f"{name} must be an integer in [{lo}, {hi}] for this model, got {value!r}")
+    if kv_cache_mib is not None and (not isinstance(kv_cache_mib, numbers.Real)
+                                     or isinstance(kv_cache_mib, (bool, np.bool_))
+                                     or not math.isfinite(kv_cache_mib) or kv_cache_mib <= 0):
+        raise ValueError(f"kv_cache_mib must be a finite number > 0, got {kv_cache_mib!r}")
+
+
+MAX_JSON_BYTES = 16 * 2**20     # a config is a few KB; anything this large is not one
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ConfigError(f"{path} is {path.stat().st_size} bytes; a config file is at most {MAX_JSON_BYTES}")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def load_config(model_dir) -> LlamaConfig:
+    """Read <model_dir>/config.json and, when present, generation_config.json."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir} is not a model directory: config.json is missing")
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else None
+    return config_from_dict(_read_json(path), gen)

@@ -1,0 +1,140 @@
+"""Write a model directory with random weights of a real (or tiny) shape.
+
+Tests and GPU benchmarks use it: a Llama-3.2-1B-, Qwen2.5-0.5B- or Qwen3-0.6B-shaped model needs no
+download, and tiny shapes exercise every code path in milliseconds. The weights are scaled so
+activations stay O(1) and the logits of different tokens are well separated (greedy decoding is then
+stable across backends).
+
+    python -m engine.random_model llama-3.2-1b /tmp/llama1b-random
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from engine.formats.config import LlamaConfig, config_from_dict
+from engine.formats.safetensors import save_file
+from engine.model.weights import expected_shapes
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+          "attention_bias": False, "mlp_bias": False}
+
+# What Qwen configs carry besides the sizes (math-neutral here: no layer uses a sliding window)
+_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+          "use_sliding_window": False, "attention_dropout": 0.0}
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+          "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0}
+
+PRESETS: dict[str, dict] = {
+    "llama-3.2-1b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]},
+    "smollm2-135m": {**_LLAMA, "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                     "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                     "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2.5-0.5b": {**_QWEN2, "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+                     "sliding_window": 32768, "max_window_layers": 21, "tie_word_embeddings": True,
+                     "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-0.6b": {**_QWEN3, "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                   "max_window_layers": 28, "tie_word_embeddings": True,
+                   "bos_token_id": 151643, "eos_token_id": 151645},
+    # Tiny shapes for tests: GQA 3, odd sizes, head_dim != hidden / heads, llama3 scaling.
+    "tiny": {**_LLAMA, "vocab_size": 397, "hidden_size": 72, "intermediate_size": 136,
+             "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+             "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "tiny-mha-untied": {**_LLAMA, "vocab_size": 301, "hidden_size": 64, "intermediate_size": 96,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+                        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-mqa": {**_LLAMA, "vocab_size": 263, "hidden_size": 96, "intermediate_size": 200,
+                 "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+                 "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 192,
+                 "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": [2, 3]},
+    # Tiny Qwen shapes: GQA and MQA, tied and untied, odd sizes; biases and q/k norms are random.
+    "tiny-qwen2": {**_QWEN2, "vocab_size": 389, "hidden_size": 84, "intermediate_size": 130,
+                   "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 256,
+                   "sliding_window": 256, "max_window_layers": 1, "tie_word_embeddings": True,
+                   "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-qwen2-mqa-untied": {**_QWEN2, "vocab_size": 277, "hidden_size": 64, "intermediate_size": 104,
+                              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1,
+                              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 192,
+                              "sliding_window": None, "max_window_layers": 3, "tie_word_embeddings": False,
+                              "bos_token_id": 1, "eos_token_id": [2, 3]},
+    "tiny-qwen3": {**_QWEN3, "vocab_size": 353, "hidden_size": 56, "intermediate_size": 120,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 256,
+                   "max_window_layers": 2, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-qwen3-mqa-untied": {**_QWEN3, "vocab_size": 241, "hidden_size": 50, "intermediate_size": 86,
+                              "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 1,
+                              "head_dim": 10, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                              "max_position_embeddings": 192, "max_window_layers": 3,
+                              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+}
+
+
+def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """name -> float32 array; matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 + N(0, 0.1),
+    biases ~ N(0, 0.5) (large enough that a missing bias changes every logit)."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith(".bias"):
+            tensors[name] = (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        elif len(shape) == 1:
+            tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        else:
+            std = 1.0 if name == "model.embed_tokens.weight" else shape[1] ** -0.5
+            x = rng.standard_normal(shape, dtype=np.float32)
+            x *= np.float32(std)
+            tensors[name] = x
+    return tensors
+
+
+def write_random_model(out_dir, preset_or_config="tiny", seed: int = 0, dtype: str = "BF16",
+                       tokenizer_json=None) -> Path:
+    """Write config.json, generation_config.json, model.safetensors (and tokenizer.json if given)."""
+    cfg_dict = dict(PRESETS[preset_or_config]) if isinstance(preset_or_config, str) else dict(preset_or_config)
+    config = config_from_dict(cfg_dict)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    save_file(random_weights(config, seed), out / "model.safetensors", metadata={"format": "pt"}, dtype=dtype)
+    if tokenizer_json is not None:
+        shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("preset", choices=sorted(PRESETS))
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="BF16", choices=["BF16", "F16", "F32"])
+    ap.add_argument("--tokenizer-json", default=None, help="copy this tokenizer.json into the directory")
+    args = ap.parse_args(argv)
+    path = write_random_model(args.out_dir, args.preset, args.seed, args.dtype, args.tokenizer_json)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Model weights: checkpoint tensors -> the arrays the forward pass uses (chapter 01).
+
+Every expected tensor must be present with its exact shape, and an unexpected tensor is an error:
+a checkpoint that does not match its config.json is refused, never half-loaded. q/k/v and
+gate/up are fused into one matrix each here, once, so each is a single GEMM at run time.
+
+CPU backend: float32 arrays (bf16 -> fp32 is exact). GPU backend: matrices stay bf16 on the device
+(uint16 bits, copied straight from the file mapping into their slice of the fused matrix); the
+small norm vectors are fp32.
+
+Checked before anything large is allocated: the layer count and every tensor shape against
+config.json (a config claiming 10**8 layers fails on the first comparison, not after allocating),
+and the embedding tying. Checked while loading, for the price of two max() passes per tensor: no
+weight is NaN or infinite (the error names the tensor).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.backend import Backend
+from engine.formats.config import ConfigError, LlamaConfig, ModelShape, model_shape
+from engine.formats.safetensors import Checkpoint, open_checkpoint
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: object    # [H]              fp32
+    qkv: object           # [Hq*D + 2*Hkv*D, H]  q rows, then k rows, then v rows
+    o: object             # [H, Hq*D]
+    post_norm: object     # [H]              fp32
+    gate_up: object       # [2*I, H]         gate rows, then up rows
+    down: object          # [H, I]
+    qkv_bias: object = None   # [Hq*D + 2*Hkv*D] fp32, q then k then v (Qwen2; None otherwise)
+    q_norm: object = None     # [D] fp32: RMSNorm weights over each q head (Qwen3; None otherwise)
+    k_norm: object = None     # [D] fp32: the same over each k head
+
+
+@dataclass
+class Weights:
+    embed: object         # [V, H]
+    layers: list
+    norm: object          # [H]              fp32
+    lm_head: object       # [V, H]  (the same array as embed when tied)
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def expected_shapes(config: ModelShape | dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor a checkpoint of this config must hold
+    (Llama's, plus q/k/v biases for Qwen2 and q_norm/k_norm for Qwen3).
+
+    The one rule for both the loader and the GGUF converter (which passes the config.json dict it
+    is about to write).
+    """
+    if isinstance(config, dict):
+        config = model_shape(config)
+    H, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(config.num_hidden_layers):
+        p = layer_prefix(i)
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (config.q_dim, H),
+            p + "self_attn.k_proj.weight": (config.kv_dim, H),
+            p + "self_attn.v_proj.weight": (config.kv_dim, H),
+            p + "self_attn.o_proj.weight": (H, config.q_dim),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        })
+        if config.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (config.q_dim,), p + "self_attn.k_proj.bias": (config.kv_dim,),
+                           p + "self_attn.v_proj.bias": (config.kv_dim,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+    return shapes
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d{1,12})\.")
+
+
+def checkpoint_layer_count(names) -> int:
+    """1 + the highest layer index among the tensor names (0 without layers)."""
+    indices = [int(m.group(1)) for m in map(_LAYER_NAME.match, names) if m]
+    return max(indices) + 1 if indices else 0
+
+
+def _ignorable(name: str) -> bool:
+    """Rotary buffers some exporters add: recomputed from the config."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def _check_tying(ckpt: Checkpoint, config: LlamaConfig) -> None:
+    """tie_word_embeddings must describe the checkpoint: tied means no lm_head or an exact copy of
+    the embedding (some exporters write one); untied means an lm_head of its own."""
+    has_head = "lm_head.weight" in ckpt
+    if not config.tie_word_embeddings and not has_head:
+        raise ConfigError(f"{ckpt.path}: config.json says tie_word_embeddings=false but the checkpoint has no "
+                          "lm_head.weight")
+    if config.tie_word_embeddings and has_head:
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        same = (tuple(ckpt.shape(head)) == tuple(ckpt.shape(embed)) and ckpt.dtype(head) == ckpt.dtype(embed)
+                and np.array_equal(ckpt.raw(head).view(np.uint8), ckpt.raw(embed).view(np.uint8)))
+        if not same:
+            raise ConfigError(f"{ckpt.path}: config.json says tie_word_embeddings=true but lm_head.weight is not "
+                              "a copy of model.embed_tokens.weight")
+
+
+def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
+    """Raise ConfigError unless the checkpoint holds exactly the tensors the config implies.
+
+    Cheap checks first: the layer count is compared before the expected names are listed, so an
+    absurd num_hidden_layers costs nothing.
+    """
+    layers = checkpoint_layer_count(ckpt.keys())
+    if layers != config.num_hidden_layers:
+        raise ConfigError(f"{ckpt.path}: config.json says num_hidden_layers={config.num_hidden_layers}, "
+                          f"the checkpoint holds {layers} layer(s)")
+    _check_tying(ckpt, config)
+    expected = expected_shapes(config)
+    missing = [n for n in expected if n not in ckpt]
+    if missing:
+        raise ConfigError(f"{ckpt.path}: {len(missing)} expected tensor(s) missing, e.g. {missing[:3]}")
+    unexpected = [n for n in ckpt.keys() if n not in expected and not _ignorable(n)
+                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if unexpected:
+        raise ConfigError(f"{ckpt.path}: unexpected tensor(s) {unexpected[:3]} for this config")
+    for name, shape in expected.items():
+        if tuple(ckpt.shape(name)) != shape:
+            raise ConfigError(f"{ckpt.path}: tensor {name!r} has shape {tuple(ckpt.shape(name))}, "
+                              f"config.json implies {shape}")
+        if ckpt.dtype(name) not in FLOAT_DTYPES:
+            raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; weights must be "
+                              f"one of {FLOAT_DTYPES}")
+
+
+class NonFiniteWeightsError(ConfigError):
+    """A weight tensor holds NaN or an infinity: the model would produce non-finite logits."""
+
+
+def check_finite(name: str, host: np.ndarray) -> None:
+    """Refuse a tensor with NaN/inf: two max() passes, no temporaries.
+
+    float32: NaN propagates through min/max and an infinity is the min or the max.
+    bf16 bits (uint16): non-finite means exponent all ones, i.e. bits in [0x7F80, 0x7FFF] (positive;
+    the largest values as int16) or [0xFF80, 0xFFFF] (negative; the largest as uint16).
+    """
+    if host.size == 0:
+        return
+    if host.dtype == np.uint16:
+        bad = int(host.max()) >= 0xFF80 or int(host.view(np.int16).max()) >= 0x7F80
+    else:
+        bad = not (np.isfinite(host.min()) and np.isfinite(host.max()))
+    if bad:
+        raise NonFiniteWeightsError(f"tensor {name!r} holds NaN or infinite values")
+
+
+class _Loader:
+    """Reads tensors as float32 (CPU) or as bf16 device arrays (GPU), fusing row blocks."""
+
+    def __init__(self, ckpt: Checkpoint, backend: Backend):
+        self.ckpt, self.gpu = ckpt, backend.is_gpu
+        self.xp = backend.xp
+
+    def matrix(self, *names: str):
+        """Stack the named [rows_i, cols] matrices along rows (one name: the matrix itself)."""
+        parts = [self.ckpt.get_bf16_bits(n) if self.gpu else self.ckpt.get_tensor(n) for n in names]
+        for n, p in zip(names, parts, strict=True):
+            check_finite(n, p)
+        rows = sum(p.shape[0] for p in parts)
+        out = self.xp.empty((rows, parts[0].shape[1]), dtype=self.xp.uint16 if self.gpu else self.xp.float32)
+        r = 0
+        for p in parts:      # host mapping -> its slice of the fused matrix, one copy
+            if self.gpu:
+                out[r:r + p.shape[0]].set(np.ascontiguousarray(p))
+            else:
+                out[r:r + p.shape[0]] = p
+            r += p.shape[0]
+        return out
+
+    def vector(self, *names: str):
+        """The named 1-D tensors, concatenated, as fp32 on the backend (norm weights, biases: small)."""
+        parts = [np.array(self.ckpt.get_tensor(n), dtype=np.float32) for n in names]
+        for n, part in zip(names, parts, strict=True):
+            check_finite(n, part)
+        host = np.concatenate(parts)
+        return self.xp.asarray(host) if self.gpu else host
+
+
+def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
+    with open_checkpoint(model_dir) as ckpt:
+        check_checkpoint(ckpt, config)
+        ld = _Loader(ckpt, backend)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            p = layer_prefix(i)
+            attn = p + "self_attn."
+            layers.append(LayerWeights(
+                input_norm=ld.vector(p + "input_layernorm.weight"),
+                qkv=ld.matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                              p + "self_attn.v_proj.weight"),
+                o=ld.matrix(p + "self_attn.o_proj.weight"),
+                post_norm=ld.vector(p + "post_attention_layernorm.weight"),
+                gate_up=ld.matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=ld.matrix(p + "mlp.down_proj.weight"),
+                qkv_bias=ld.vector(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
+                if config.qkv_bias else None,
+                q_norm=ld.vector(attn + "q_norm.weight") if config.qk_norm else None,
+                k_norm=ld.vector(attn + "k_norm.weight") if config.qk_norm else None,
+            ))
+        embed = ld.matrix("model.embed_tokens.weight")
+        lm_head = embed if config.tie_word_embeddings else ld.matrix("lm_head.weight")
+        return Weights(embed=embed, layers=layers, norm=ld.vector("model.norm.weight"), lm_head=lm_head)

@@ -1,0 +1,113 @@
+"""Sampling: turning a row of logits into the next token (chapter 08).
+
+`SamplingParams` is the user-facing knob set; `sample_ref` is the readable reference that the
+GPU kernel in kernels_cu/sampling.cu reproduces. Temperature 0 means greedy (argmax).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _is_int(v) -> bool:
+    """Python or NumPy integers; never bools (True is not a count) and never floats (3.0 included:
+    one rule for every float, rather than accepting the integral ones and refusing 3.5)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+_INT32_MAX = 2**31 - 1
+_F32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Invalid values raise ValueError at construction.
+
+    Counts (max_new_tokens, top_k, seed) take any integer type, NumPy's included, and are stored as
+    Python ints; floats are refused even when integral (3.0). Numbers (temperature, top_p) take any
+    real type and are stored as Python floats. ignore_eos takes a bool (NumPy's included).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = no top-k cut
+    top_p: float = 1.0         # 1 = no nucleus cut
+    seed: int | None = None    # same seed, same tokens
+    ignore_eos: bool = False   # keep generating past eos (benchmarks)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends just before the first one that appears
+
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        # the samplers divide by temperature in float32: a positive value must stay positive and finite there
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) \
+                or not (self.temperature == 0 or _F32_NORMAL[0] <= self.temperature <= _F32_NORMAL[1]):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{_F32_NORMAL[0]:.3g}, {_F32_NORMAL[1]:.3g}], "
+                             f"got {self.temperature!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}] (0 disables it), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MASK64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        # One string or a list of them, as in OpenAI's `stop`; stored as a tuple (the dataclass is frozen).
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        normalized = {"max_new_tokens": int(self.max_new_tokens), "temperature": float(self.temperature),
+                      "top_k": int(self.top_k), "top_p": float(self.top_p),
+                      "seed": None if self.seed is None else int(self.seed), "ignore_eos": bool(self.ignore_eos),
+                      "stop": tuple(stop)}
+        for name, value in normalized.items():      # plain Python values from here on
+            object.__setattr__(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The draw: one uniform number per (request, step), from the request's seed
+# ----------------------------------------------------------------------------------------------
+
+def step_uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, step): splitmix64 of the pair.
+
+    Stateless on purpose: a request that is preempted and recomputed, or a batch that failed and
+    is retried, draws the same number for the same step, so seeded sampling stays reproducible.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def step_uniforms(seeds, steps) -> np.ndarray:
+    """step_uniform for many rows at once: float64 [R], bit for bit the same numbers.
+
+    seeds: R seeds in [0, 2**64); steps: R step numbers. uint64 arithmetic wraps modulo 2**64, which
+    is exactly the `& _MASK64` of the scalar version; (z >> 11) has 53 bits, exact in a float64.
+    """
+    z = np.asarray(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) \
+        + (np.asarray(steps, dtype=np.uint64) + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: its own, or a fresh random one."""
+    return params.seed if params.seed is not None else int(np.random.SeedSequence().entropy) & _MASK64

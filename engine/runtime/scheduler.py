@@ -1,0 +1,931 @@
+"""The scheduler: which requests run in the next forward pass, and where their KV cache lives.
+
+Metadata only: it never touches device memory or the model. The model runner (engine/runtime/llm.py) drives
+it in a loop, one batch in flight at a time:
+
+    sched = Scheduler(PageAllocator(num_pages=512), max_seqs=64, max_batch_tokens=4096,
+                      max_context=2048, eos_token_ids={2}, chunked_prefill=True)
+    rid = sched.submit(prompt_ids, params)          # params: .max_new_tokens, .ignore_eos
+    while sched.has_unfinished():
+        batch = sched.schedule()                    # "prefill", "decode" or "mixed"; None only when idle
+        try:
+            sampled = run_model(batch)              # one token per sampling row (batch.sampling_rows)
+        except Exception:
+            sched.fail(batch.batch_id)              # exact previous state, as if never scheduled
+            raise
+        sched.complete(batch.batch_id, sampled)
+        results += sched.pop_finished()
+
+Rows. A row feeds the next tokens of one request at positions start_pos... and attends to everything
+before them through its page_table (which covers positions < context_len = start_pos +
+len(token_ids)). A request's tokens are prompt + generated; the first `num_computed` have their K/V in
+the cache, and a row always continues from there:
+- a prefill row feeds the prompt (or, for a request that was preempted, prompt + the tokens generated
+  so far, recomputed from position 0), whole or, with chunked prefill, a chunk of it;
+- a decode row feeds the one token sampled last step, at start_pos = current length - 1.
+A row samples one token from its last position when it reaches the end of the request's tokens
+(`row.samples`); a chunk that stops short of the prompt's end samples nothing, and complete() takes
+one token per sampling row. Batch.logits_indices says which packed tokens need logits.
+
+Policies (`policy=`):
+- "continuous" (nano-vllm's, prefill first): if requests are waiting and the head of the FIFO queue
+  can be admitted (a seat under max_seqs, memory for it, room in the max_batch_tokens budget), run a
+  prefill batch of as many waiting requests as fit, in FIFO order, stopping at the first that does
+  not fit (no overtaking); otherwise run one decode step of every running sequence. Without chunking
+  a prompt longer than max_batch_tokens runs alone in its own batch.
+- "continuous" with `chunked_prefill=True` (Sarathi-Serve's stall-free batching): every step carries
+  every running decode (one token each), then the next chunks of requests part-way through their
+  prompt (oldest first), then first chunks of newly admitted requests (FIFO), until the step holds
+  max_batch_tokens tokens. A long prompt is prefilled over several steps while the running requests
+  keep producing a token every step: a batch is "mixed" when it has both kinds of rows.
+- "static": form a group of up to max_seqs requests (prefilled in one or more prefill batches, FIFO,
+  under the token budget; with chunking, long prompts over several of them), then decode the group
+  until EVERY member has finished, admitting nothing new; then form the next group. Members that
+  finish early keep their seat until the group ends: the step log counts them as `idle_slots` (the
+  rows a padded static batch would still compute). Their memory is released at once.
+
+Admission (`admission=`), i.e. how memory is promised:
+- "conservative" (default): a request is admitted only if the pool can hold its worst case next to the
+  worst cases of everyone running: sum(worst_pages) <= num_pages, where worst_pages =
+  pages_needed(min(prompt + max_new_tokens, max_context) - 1) (the last sampled token is never
+  written to the cache). Pages are still taken lazily, step by step, but no step can ever run dry,
+  so there is never a preemption.
+- "on_demand": a request is admitted when its prompt fits now. When a step cannot get a page for
+  a running sequence's row (decode or chunk), the NEWEST running request without a row in this step
+  is preempted (its pages freed, its generated tokens kept, put back at the HEAD of the waiting
+  queue to be re-prefilled with prompt + generated) until the row fits. No request is lost and, for
+  a deterministic model, outputs are unchanged; the price is recomputation (`recomputed_tokens` in
+  the step log).
+With a SlotAllocator a request's worst case is one slot, so both admissions behave the same.
+
+Finishing. A sampled token finishes its request with reason "stop" if it is an eos token (unless
+params.ignore_eos); the eos token IS kept in the generated ids (as vLLM and HF do). Otherwise reason
+"length" once max_new_tokens tokens were generated or prompt + generated reaches max_context.
+Finished requests free their memory at once and wait in pop_finished(). A request with
+max_new_tokens == 0 is finished by submit() itself ("length", no tokens) and never scheduled.
+
+Refusals (InvalidRequest, a ValueError, raised by submit before anything runs): empty prompt,
+negative or non-integer token ids, a prompt of max_context tokens or more (one position must be
+left for the answer), max_new_tokens < 0, or a worst case larger than the whole pool (with either
+admission: on demand, such a request could not finish even alone).
+
+Sessions (prefix reuse between the turns of a conversation): submit(..., session=key). When a request
+of a session finishes (or is cancelled) while running, its pages are not freed but *parked* under the
+key with the tokens whose K/V they hold. The next request of that session that is admitted adopts
+them: the common prefix of the parked tokens and its own (at most all but its last token) counts as
+computed (num_computed), so its first row, the whole rest of the prompt or a first chunk of it,
+starts after that prefix; the pages past it are freed. Parked pages are a cache, never a promise:
+admission counts them as free, and any reservation (a newcomer's, a chunk's, a decode's) that finds
+the free list short evicts parked tables first (least recently parked first), before it preempts
+anyone. drop_session(key) frees one at once.
+
+cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
+flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
+allocator (same free list order, so a retry takes the same pages), progress through the prompts,
+counters and batch id exactly.
+
+The step log (one StepRecord per completed step, engine/runtime/step_log.py) names the rows: request_ids
+(all) and their start_positions, prefill_ids (prompt, chunk and recompute rows), chunks ([request id,
+start_pos, tokens, samples] of every prefill row that holds only part of its sequence), sampled (how
+many rows sampled), sampled_ids and sampled_tokens (which, and what), tokens and prefill_tokens,
+admitted, preempted, recomputed_tokens, reused_tokens, and the memory and queue figures after the step.
+submit() is allowed at any time; requests submitted while a batch is in flight survive fail().
+
+Async scheduling (`async_scheduling=True`, what the engine loop uses on a GPU): the host forms batch
+N+1 while the GPU still runs batch N, so the GPU never waits for Python between two steps. schedule()
+may then be called with one batch in flight. The token each row of N samples is not known yet: a
+request with such a *pending* token gets a decode row whose token id is PENDING (-1), and the runner
+feeds it on the device from batch N's sampled ids. A request whose pending token finishes it by
+length gets no row; one whose pending token turns out to be eos (or that is cancelled or stopped
+meanwhile) already has a row in N+1: that row still runs, and complete() discards its token
+(`discarded` in the step log). The rest of the contract changes in four places:
+- progress (num_computed) and page reservations count from schedule(), and are committed there;
+- a lookahead schedule() never preempts: when a row would need it, it changes nothing and returns
+  None (the runner completes batch N first and schedules again, with nothing in flight);
+- cancel() and drop_session() are allowed while batches are in flight (the pages of the request's
+  rows still in flight are written by the GPU before any later batch can reuse them: one stream);
+- a batch that fails is abort()ed: its requests end ("cancelled"), their pages are freed, not parked.
+"""
+from __future__ import annotations
+
+import itertools
+import numbers
+import operator
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
+from engine.runtime.step_log import StepRecord
+
+__all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError", "PENDING",
+           "KVAllocator", "PageAllocator", "SlotAllocator"]
+
+POLICIES = ("static", "continuous")
+PENDING = -1     # a row's token id that the runner takes from the previous batch's samples (async scheduling)
+ADMISSIONS = ("conservative", "on_demand")
+
+
+class InvalidRequest(ValueError):
+    """A request that can never be served, or an unknown request id."""
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler was driven against its lifecycle (e.g. two batches in flight)."""
+
+
+@dataclass
+class Row:
+    """One sequence in a batch: feed `token_ids` at positions start_pos..., and sample one token
+    from the last position if `samples` (every row but a chunk that stops short of the prompt's end)."""
+    request_id: int
+    token_ids: list[int]
+    start_pos: int          # absolute position of token_ids[0]
+    page_table: list[int]  # covers positions < context_len, after this step's reservation
+    params: object          # the request's sampling params, for the runner's sampler
+    num_generated: int      # tokens generated before this step (a seeded sampler can key on it)
+    samples: bool = True    # False for a chunk that does not reach the end of the prompt
+    kind: str = "prefill"   # "prefill" (a prompt, a chunk of one, or a recompute) | "decode"
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to after this step (cached ones + the new ones)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class Batch:
+    """What the runner executes in one forward pass. Rows and arrays are copies: safe to keep.
+
+    The arrays are built with NumPy from the rows' lengths, start positions and page tables (no
+    per-token Python), once per batch: each property caches its array, read-only.
+    """
+    batch_id: int
+    kind: str               # "prefill" | "decode" | "mixed" (chunked prefill: both kinds of rows)
+    rows: list[Row]
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    def _cached(self, name: str, build) -> np.ndarray:
+        cache = self.__dict__.setdefault("_arrays", {})
+        array = cache.get(name)
+        if array is None:
+            array = cache[name] = build()
+            array.flags.writeable = False
+        return array
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """[T] int32, all rows' tokens packed one after another (no padding)."""
+        return self._cached("token_ids", lambda: np.fromiter(
+            itertools.chain.from_iterable(row.token_ids for row in self.rows), dtype=np.int32, count=self.num_tokens))
+
+    @property
+    def pending_indices(self) -> np.ndarray:
+        """[K] int32, packed tokens that are PENDING (async scheduling: sampled by the batch in flight)."""
+        return self._cached("pending_indices", lambda: np.flatnonzero(self.token_ids == PENDING).astype(np.int32))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[R] int32, tokens of each row in this batch."""
+        return self._cached("lengths", lambda: np.fromiter((len(row.token_ids) for row in self.rows),
+                                                           dtype=np.int32, count=len(self.rows)))
+
+    @property
+    def start_positions(self) -> np.ndarray:
+        """[R] int32, absolute position of each row's first token."""
+        return self._cached("start_positions", lambda: np.fromiter((row.start_pos for row in self.rows),
+                                                                   dtype=np.int32, count=len(self.rows)))
+
+    @property
+    def positions(self) -> np.ndarray:
+        """[T] int32, the absolute position of every token (what RoPE rotates by)."""
+        def build():
+            offset = np.repeat(self.start_positions - self.cu_seqlens[:-1], self.lengths)   # [T]
+            return (offset + np.arange(self.num_tokens, dtype=np.int32)).astype(np.int32)
+        return self._cached("positions", build)
+
+    @property
+    def cu_seqlens(self) -> np.ndarray:
+        """[R+1] int32, row r's tokens are token_ids[cu_seqlens[r]:cu_seqlens[r+1]]."""
+        return self._cached("cu_seqlens", lambda: np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int32))
+
+    @property
+    def last_token_indices(self) -> np.ndarray:
+        """[R] int32, where each row's logits are sampled from."""
+        return self._cached("last_token_indices", lambda: (self.cu_seqlens[1:] - 1).astype(np.int32))
+
+    @property
+    def sampling_rows(self) -> list[int]:
+        """Indices of the rows that sample a token (complete() takes one token for each, in order)."""
+        return [r for r, row in enumerate(self.rows) if row.samples]
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """[S] int32, the token whose logits each sampling row samples from (ForwardBatch.logits_rows)."""
+        return self.last_token_indices[self.sampling_rows].astype(np.int32)
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        """[R] int32, tokens each row attends to after this step."""
+        return self._cached("context_lens", lambda: (self.start_positions + self.lengths).astype(np.int32))
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        """[T] int32, where each new token's K/V goes: page * page_size + offset."""
+        def build():
+            pos = self.positions
+            row = np.repeat(np.arange(len(self.rows)), self.lengths)                    # [T]
+            pages = self.page_tables[row, pos // self.page_size]
+            return (pages * self.page_size + pos % self.page_size).astype(np.int32)
+        return self._cached("slot_mapping", build)
+
+    @property
+    def page_tables(self) -> np.ndarray:
+        """[R, max table length] int32, padded with -1."""
+        def build():
+            sizes = np.fromiter((len(row.page_table) for row in self.rows), dtype=np.int64, count=len(self.rows))
+            tables = np.full((len(self.rows), int(sizes.max())), -1, dtype=np.int32)
+            filled = np.arange(tables.shape[1]) < sizes[:, None]                          # [R, W]
+            tables[filled] = np.fromiter(itertools.chain.from_iterable(row.page_table for row in self.rows),
+                                         dtype=np.int32, count=int(sizes.sum()))
+            return tables
+        return self._cached("page_tables", build)
+
+
+@dataclass
+class Result:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]    # generated tokens (an eos that stopped the request included)
+    finish_reason: str      # "stop" | "length" | "cancelled"
+
+
+@dataclass
+class _Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: object
+    max_new_tokens: int
+    ignore_eos: bool
+    worst_pages: int       # pages it can ever need: what conservative admission promises it
+    generated: list[int] = field(default_factory=list)
+    status: str = "waiting"  # "waiting" | "running" (finished requests leave the scheduler)
+    num_preemptions: int = 0
+    session: object = None   # hashable key: its pages are parked for the session's next request
+    num_computed: int = 0   # leading tokens whose K/V are in the cache (0 again after a preemption)
+    num_lost: int = 0       # tokens it had computed when it was last preempted: computed again later
+    num_reused: int = 0     # leading tokens adopted from its session's parked pages at admission
+    pending: int = 0        # async scheduling: tokens sampled by batches in flight, not known yet
+
+    @property
+    def num_tokens(self) -> int:
+        """Its tokens, counting the pending ones."""
+        return len(self.prompt_ids) + len(self.generated) + self.pending
+
+    @property
+    def num_known(self) -> int:
+        """Its tokens whose ids are known (prompt + generated)."""
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled so far, the pending ones included."""
+        return len(self.generated) + self.pending
+
+    @property
+    def tokens(self) -> list[int]:
+        """prompt + generated (the known tokens)."""
+        return self.prompt_ids + self.generated
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to feed before the next sample: 1 for a decode, more while prefilling."""
+        return self.num_tokens - self.num_computed
+
+
+@dataclass
+class _Parked:
+    """The pages a finished request of a session left behind: K/V of `tokens`, in table `seq_id`."""
+    seq_id: int
+    tokens: list[int]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class _Saved:
+    """Everything schedule() may change, captured so that fail() can put it back."""
+    waiting: list[int]
+    running: list[int]
+    request_states: dict[int, tuple[str, int, int, int, int]]   # status, preemptions, computed, lost, reused
+    group: list[int]
+    group_decoding: bool
+    next_batch_id: int
+    next_request_id: int
+    num_preemptions: int
+    parked: list[tuple[object, _Parked]]
+
+
+@dataclass
+class _InFlight:
+    batch: Batch
+    saved: _Saved
+    log_entry: StepRecord
+    arrived_before: int     # next request id when the batch was scheduled
+
+
+class _Declined(Exception):
+    """A lookahead schedule() would have to preempt: it is undone and returns None."""
+
+
+class Scheduler:
+    """Static or continuous batching over a KVAllocator (SlotAllocator or PageAllocator).
+
+    See the module docstring for the policies, admissions, finishing rules and refusals.
+    `step_log` holds one StepRecord (engine/runtime/step_log.py) per completed step (failed ones leave no
+    trace); the runner adds the step's wall time as step_log[-1]["seconds"] after complete().
+    """
+
+    def __init__(self, allocator: KVAllocator, max_seqs: int, max_batch_tokens: int,
+                 max_context: int, eos_token_ids=(), policy: str = "continuous",
+                 admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0,
+                 async_scheduling: bool = False):
+        for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
+                            ("max_context", max_context)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_context < 2:
+            raise ValueError("max_context must be at least 2 (one prompt token, one new token)")
+        if max_batch_tokens < max_seqs:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must be >= max_seqs "
+                             f"({max_seqs}): a decode step feeds one token per sequence")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+        if allocator.in_transaction:
+            raise ValueError("the allocator has uncommitted changes")
+        self.allocator = allocator
+        self.max_seqs = max_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.max_context = max_context
+        eos = [eos_token_ids] if isinstance(eos_token_ids, (int, np.integer)) else eos_token_ids
+        self.eos_token_ids = frozenset(operator.index(t) for t in eos)
+        self.policy = policy
+        self.admission = admission
+        self.chunked_prefill = bool(chunked_prefill)
+        self.async_scheduling = bool(async_scheduling)
+
+        self._requests: dict[int, _Request] = {}   # live requests: waiting or running
+        self._waiting: deque[int] = deque()        # FIFO; preempted requests go back to the head
+        self._running: list[int] = []              # admission order: the last one is the newest
+        self._finished: list[Result] = []
+        self._group: list[int] = []                # static: members of the current group
+        self._group_decoding = False               # static: the group is sealed once it decodes
+        self._next_request_id = first_request_id   # a replacement scheduler continues the numbering
+        self._next_batch_id = 0
+        self._in_flight: dict[int, _InFlight] = {}   # batch id -> batch, oldest first (async: up to 2)
+        self._logged_request_id = 0                # requests below this id arrived before a logged step
+        self.num_preemptions = 0
+        self.num_steps = 0                         # completed steps (step_log may be drained by a loop)
+        self._parked: OrderedDict[object, _Parked] = OrderedDict()   # session -> parked pages, LRU first
+        self.step_log: list[StepRecord] = []
+
+    # ---- requests in -------------------------------------------------------------------------
+    def submit(self, prompt_ids, params, session=None) -> int:
+        """Queue a request and return its id; InvalidRequest if it can never be served.
+
+        `session`: a hashable key; the request reuses (and leaves behind) the session's cached pages.
+        """
+        prompt, max_new, worst_pages = self.validate(prompt_ids, params)
+        request_id = self._new_request_id()
+        if max_new == 0:   # nothing to generate: finished at once, never scheduled
+            self._finished.append(Result(request_id, prompt, [], "length"))
+            return request_id
+        self._requests[request_id] = _Request(request_id, prompt, params, max_new,
+                                              bool(getattr(params, "ignore_eos", False)),
+                                              worst_pages, session=session)
+        self._waiting.append(request_id)
+        return request_id
+
+    def validate(self, prompt_ids, params) -> tuple[list[int], int, int]:
+        """(prompt, max_new_tokens, worst-case pages) of a servable request, else InvalidRequest.
+
+        Depends only on the sizes fixed at construction: safe to call from any thread.
+        """
+        try:
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError as e:
+            raise InvalidRequest(f"prompt token ids must be integers ({e})") from None
+        if not prompt:
+            raise InvalidRequest("empty prompt: there is no position to sample the first token from")
+        if min(prompt) < 0:
+            raise InvalidRequest(f"negative token id {min(prompt)} in the prompt")
+        if len(prompt) >= self.max_context:
+            raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of "
+                                 f"{self.max_context} with room for one new token")
+        max_new = getattr(params, "max_new_tokens", None)
+        if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
+            raise InvalidRequest(f"max_new_tokens must be an int >= 0, got {max_new!r}")
+        max_new = int(max_new)
+        if max_new == 0:
+            return prompt, 0, 0
+        # The last sampled token is never fed back, so the cache holds one token less than the end.
+        cached_tokens = min(len(prompt) + max_new, self.max_context) - 1
+        worst_pages = self.allocator.pages_needed(cached_tokens)
+        if cached_tokens > self.allocator.max_seq_len or worst_pages > self.allocator.num_pages:
+            raise InvalidRequest(
+                f"request needs up to {cached_tokens} cached tokens ({worst_pages} pages of "
+                f"{self.allocator.page_size}), larger than the whole KV pool "
+                f"({self.allocator.num_pages} pages, at most {self.allocator.max_seq_len} "
+                f"tokens per sequence)")
+        return prompt, max_new, worst_pages
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """The next batch to run; None exactly when no request is waiting or running.
+
+        (With live requests there is always something to run: the oldest running request alone
+        always fits, and a waiting head always fits an empty pool, or submit() refused it.)
+        """
+        if len(self._in_flight) >= (2 if self.async_scheduling else 1):
+            raise SchedulerError(f"batch {next(iter(self._in_flight))} is still in flight: "
+                                 f"complete() or fail() it first")
+        if self.allocator.in_transaction:
+            raise SchedulerError("the allocator has uncommitted changes made outside the scheduler")
+        saved = self._save()
+        try:
+            rows, preempted = self._next_rows()
+        except _Declined:                 # lookahead only: put everything back, run nothing yet
+            self._restore(saved)
+            return None
+        if not rows:
+            return None
+        kinds = {row.kind for row in rows}
+        kind = kinds.pop() if len(kinds) == 1 else "mixed"
+        batch = Batch(self._next_batch_id, kind, rows, self.allocator.page_size)
+        self._next_batch_id += 1
+        self._in_flight[batch.batch_id] = _InFlight(batch, saved, self._log_entry(batch, preempted),
+                                                    self._next_request_id)
+        if self.async_scheduling:         # progress counts from here: the next batch continues after it
+            for row in rows:
+                request = self._requests[row.request_id]
+                request.num_computed = row.context_len
+                request.pending += row.samples
+            self.allocator.commit()
+        return batch
+
+    def _next_rows(self) -> tuple[list[Row], list[int]]:
+        if self.chunked_prefill and self.policy == "continuous":
+            return self._mixed_rows()
+        rows, preempted = self._prefill_rows()
+        if not rows:
+            rows, more = self._decode_rows()
+            preempted += more
+            if rows:        # (a lookahead may find no row: every member's pending token ends it)
+                self._group_decoding = self.policy == "static"
+        return rows, preempted
+
+    def complete(self, batch_id: int, sampled_tokens) -> None:
+        """Accept one sampled token per sampling row (batch.sampling_rows, in row order): commit the
+        step, finish requests."""
+        flight = self._flight(batch_id, oldest=True)
+        tokens = [operator.index(t) for t in sampled_tokens]
+        sampling = [row for row in flight.batch.rows if row.samples]
+        if len(tokens) != len(sampling):
+            raise ValueError(f"batch {batch_id} has {len(sampling)} sampling rows, "
+                             f"got {len(tokens)} sampled tokens")
+        if tokens and min(tokens) < 0:
+            raise ValueError(f"sampled token ids must be >= 0, got {min(tokens)}")
+        del self._in_flight[batch_id]
+        entry = flight.log_entry
+        # async: a request that ended while this batch was in flight has no use for its row's token
+        discarded = {row.request_id for row in flight.batch.rows if row.request_id not in self._requests}
+        if not self.async_scheduling:
+            for row in flight.batch.rows:
+                self._requests[row.request_id].num_computed = row.context_len
+        finished, kept = [], []
+        for row, token in zip(sampling, tokens, strict=True):
+            request = self._requests.get(row.request_id)
+            if request is None:
+                continue
+            if self.async_scheduling:
+                request.pending -= 1
+            request.generated.append(token)
+            kept.append(token)
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finished.append(self._retire(request, reason))
+                finished.append(request.request_id)
+        self.allocator.commit()
+        if discarded:
+            self._drop_rows(entry, discarded)
+        # async: a victim of this batch's preemptions may have been cancelled or aborted since
+        entry["preempted"] = [rid for rid in entry["preempted"] if rid in self._requests]
+        entry["step"] = self.num_steps             # its index in the log (an aborted batch leaves none)
+        entry["finished"] = finished
+        entry["sampled_tokens"] = kept
+        self.num_steps += 1
+        self.step_log.append(entry)
+        self._logged_request_id = max(self._logged_request_id, flight.arrived_before)
+
+    @staticmethod
+    def _drop_rows(entry: StepRecord, discarded: set[int]) -> None:
+        """Take the rows of requests that ended while the batch was in flight out of its record's
+        per-request lists; rows and tokens still count them (they ran)."""
+        keep = [i for i, rid in enumerate(entry["request_ids"]) if rid not in discarded]
+        entry["start_positions"] = [entry["start_positions"][i] for i in keep]
+        entry["request_ids"] = [entry["request_ids"][i] for i in keep]
+        for key in ("prefill_ids", "sampled_ids", "admitted"):
+            entry[key] = [rid for rid in entry[key] if rid not in discarded]
+        entry["chunks"] = [chunk for chunk in entry["chunks"] if chunk[0] not in discarded]
+        entry["sampled"] = len(entry["sampled_ids"])
+        entry["discarded"] = sorted(discarded)
+
+    def fail(self, batch_id: int) -> None:
+        """Forget the batch: every piece of state goes back to what it was before schedule().
+        (Async scheduling commits at schedule(): there a failed batch is abort()ed instead.)"""
+        if self.async_scheduling:
+            raise SchedulerError("with async scheduling a failed batch is abort()ed, not failed")
+        saved = self._flight(batch_id).saved
+        del self._in_flight[batch_id]
+        self._restore(saved)
+
+    def abort(self, batch_id: int) -> list[Result]:
+        """Async scheduling: a batch that failed (or whose samples cannot be trusted) ends every request
+        that has a row in it, "cancelled", with its pages freed (they may be half-written, so they are
+        not parked for a session); their rows in a later batch are discarded. Returns their results."""
+        flight = self._flight(batch_id)
+        del self._in_flight[batch_id]
+        in_batch = dict.fromkeys(row.request_id for row in flight.batch.rows)
+        results = []
+        for request_id in in_batch:
+            request = self._requests.get(request_id)
+            if request is not None:
+                request.session = None
+                if request.status == "waiting":
+                    self._waiting.remove(request_id)
+                results.append(self._retire(request, "cancelled"))
+        # a request of the batch that ended while it was in flight may have parked pages it was writing
+        for session, parked in list(self._parked.items()):
+            if parked.seq_id in in_batch:
+                self.allocator.free(self._parked.pop(session).seq_id)
+        self.allocator.commit()
+        later = next(iter(self._in_flight.values()), None)
+        if later is not None and later.batch.batch_id > batch_id:   # its arrivals go with the next record
+            later.log_entry["arrived"] = flight.log_entry["arrived"] + later.log_entry["arrived"]
+        return results
+
+    def is_live(self, request_id: int) -> bool:
+        """Waiting or running (async: a row of a batch in flight may belong to a request that ended)."""
+        return request_id in self._requests
+
+    def _restore(self, saved: _Saved) -> None:
+        self.allocator.rollback()
+        arrived_since = [rid for rid in self._waiting if rid >= saved.next_request_id]
+        self._waiting = deque(saved.waiting + arrived_since)
+        self._running = saved.running
+        for request_id, state in saved.request_states.items():
+            request = self._requests[request_id]
+            (request.status, request.num_preemptions, request.num_computed, request.num_lost,
+             request.num_reused) = state
+        self._group, self._group_decoding = saved.group, saved.group_decoding
+        self._next_batch_id = saved.next_batch_id
+        self.num_preemptions = saved.num_preemptions
+        self._parked = OrderedDict(saved.parked)
+
+    # ---- requests out ------------------------------------------------------------------------
+    def cancel(self, request_id: int) -> Result:
+        """Drop a waiting or running request; return what it generated so far ("cancelled").
+
+        The result is returned here, not through pop_finished(). Between steps only.
+        """
+        if self._in_flight and not self.async_scheduling:
+            raise SchedulerError("cancel() between steps only: a batch is in flight")
+        request = self._requests.get(request_id)
+        if request is None:
+            raise InvalidRequest(f"no waiting or running request {request_id}")
+        if request.status == "waiting":
+            self._waiting.remove(request_id)
+        result = self._retire(request, "cancelled")
+        self.allocator.commit()
+        return result
+
+    def drop_session(self, session) -> None:
+        """Free the pages parked for `session` (if any). Between steps only."""
+        if self._in_flight and not self.async_scheduling:
+            raise SchedulerError("drop_session() between steps only: a batch is in flight")
+        parked = self._parked.pop(session, None)
+        if parked is not None:
+            self.allocator.free(parked.seq_id)
+            self.allocator.commit()
+
+    def drop_all_sessions(self) -> None:
+        for session in list(self._parked):
+            self.drop_session(session)
+
+    def pop_finished(self) -> list[Result]:
+        """Results of the requests finished since the last call, in finishing order."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def snapshot(self) -> dict:
+        """Plain-data picture of the state, for inspection, plots and exact comparisons."""
+        return {
+            "policy": self.policy,
+            "admission": self.admission,
+            "in_flight": next(iter(self._in_flight), None),     # the oldest batch in flight
+            "step": self.num_steps,
+            "waiting": list(self._waiting),
+            "running": list(self._running),
+            "num_tokens": {rid: r.num_tokens for rid, r in self._requests.items()},
+            "num_computed": {rid: r.num_computed for rid, r in self._requests.items()},
+            "preemptions": {rid: r.num_preemptions for rid, r in self._requests.items()},
+            "status": {rid: r.status for rid, r in self._requests.items()},
+            "page_tables": {rid: self.allocator.page_table(rid) for rid in self._running},
+            "free_pages": self.allocator.num_free,
+            "used_pages": self.allocator.num_used,
+            "num_pages": self.allocator.num_pages,
+            "page_size": self.allocator.page_size,
+            "group": list(self._group),
+            "group_decoding": self._group_decoding,
+            "idle_slots": self._idle_slots(),
+            "total_preemptions": self.num_preemptions,
+            "next_batch_id": self._next_batch_id,
+            "finished": [result.request_id for result in self._finished],
+            "parked_tables": {p.seq_id: self.allocator.page_table(p.seq_id) for p in self._parked.values()},
+        }
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _new_request_id(self) -> int:
+        self._next_request_id += 1
+        return self._next_request_id - 1
+
+    def _prefill_rows(self) -> tuple[list[Row], list[int]]:
+        """A prefill batch: the chunks of requests part-way through their prompt (chunked prefill
+        only), then newly admitted requests from the head of the queue."""
+        prefilling = [rid for rid in self._running if self._requests[rid].num_remaining > 1
+                      or not self._requests[rid].num_sampled]
+        rows, preempted = self._advance(prefilling, self.max_batch_tokens, in_step=set())
+        used = sum(len(row.token_ids) for row in rows)
+        return rows + self._admit(self.max_batch_tokens - used, alone_if_long=not rows), preempted
+
+    def _mixed_rows(self) -> tuple[list[Row], list[int]]:
+        """Chunked prefill (Sarathi-Serve): every running decode, then the chunks of requests still
+        prefilling, then newcomers' first chunks, until the step's token budget is spent."""
+        decoding = [rid for rid in self._running if self._requests[rid].num_remaining == 1]
+        in_step: set[int] = set()
+        rows, preempted = self._advance(decoding, self.max_batch_tokens, in_step)
+        used = len(rows)
+        prefilling = [rid for rid in self._running if rid not in in_step]
+        chunks, more = self._advance(prefilling, self.max_batch_tokens - used, in_step)
+        used += sum(len(row.token_ids) for row in chunks)
+        return rows + chunks + self._admit(self.max_batch_tokens - used, alone_if_long=False), preempted + more
+
+    def _admit(self, budget: int, alone_if_long: bool) -> list[Row]:
+        """Admit waiting requests from the head of the queue while they fit (FIFO, no overtaking).
+
+        A request's tokens to compute are those after the prefix its session's parked pages hold.
+        Without chunking they must all fit the budget (a longer request runs alone when
+        `alone_if_long`); with chunking it is admitted with a first chunk of what is left of them.
+        """
+        rows: list[Row] = []
+        promised = sum(self._requests[rid].worst_pages for rid in self._running)
+        while self._waiting and budget > 0:
+            request = self._requests[self._waiting[0]]
+            todo = request.num_tokens - self._reusable(request)
+            if not self._has_seat(request):
+                break
+            if not self.chunked_prefill and todo > budget and not (alone_if_long and not rows):
+                break
+            if not self._fits_now(request):   # on demand: the whole sequence fits now
+                break
+            if (self.admission == "conservative"
+                    and promised + request.worst_pages > self.allocator.num_pages):
+                break
+            promised += request.worst_pages
+            chunk = min(todo, budget) if self.chunked_prefill else todo
+            rows.append(self._start(request, chunk))
+            budget -= chunk
+        return rows
+
+    def _reusable(self, request: _Request) -> int:
+        """Leading tokens whose K/V its session's parked pages hold (at most all but its last token:
+        the last one must be fed to sample from)."""
+        parked = self._parked.get(request.session) if request.session is not None else None
+        return min(common_prefix(parked.tokens, request.tokens), request.num_tokens - 1) if parked else 0
+
+    def _fits_now(self, request: _Request) -> bool:
+        """Pages for all of the request's tokens now, counting parked pages (its session's, which it
+        adopts, and everyone else's, which can be evicted) as free."""
+        n = request.num_tokens
+        parked = sum(len(self.allocator.page_table(p.seq_id)) for p in self._parked.values())
+        return n <= self.allocator.max_seq_len and \
+            self.allocator.pages_needed(n) <= self.allocator.num_free + parked
+
+    def _start(self, request: _Request, chunk: int) -> Row:
+        """Move the head of the queue to the running requests: adopt its session's parked pages (their
+        common prefix is not computed again), evicting other parked tables while the first `chunk`
+        tokens after that prefix lack pages; the row of that chunk."""
+        reused = self._reusable(request)
+        parked = self._parked.get(request.session) if request.session is not None else None
+        own = len(self.allocator.page_table(parked.seq_id)) if parked else 0
+        while (self.allocator.pages_needed(reused + chunk) > self.allocator.num_free + own
+               and any(session != request.session for session in self._parked)):
+            self._evict_oldest_parked(keep=request.session)
+        if parked:
+            del self._parked[request.session]
+            self.allocator.adopt(request.request_id, parked.seq_id, reused)
+        self._waiting.popleft()
+        request.status = "running"
+        request.num_computed = request.num_reused = reused
+        self._running.append(request.request_id)
+        if self.policy == "static" and request.request_id not in self._group:
+            self._group.append(request.request_id)
+        return self._reserve_row(request, chunk)
+
+    def _evict_oldest_parked(self, keep=None) -> None:
+        """Free the least recently parked table (never `keep`'s); the caller checked one exists."""
+        session = next(s for s in self._parked if s != keep)
+        self.allocator.free(self._parked.pop(session).seq_id)
+
+    def _has_seat(self, request: _Request) -> bool:
+        if self.policy == "continuous":
+            return len(self._running) < self.max_seqs
+        if request.request_id in self._group:   # a preempted member comes back to its own seat
+            return True
+        return not self._group_decoding and len(self._group) < self.max_seqs
+
+    def _decode_rows(self) -> tuple[list[Row], list[int]]:
+        """Without chunking, when no prefill can run: one new position for every running sequence."""
+        return self._advance(list(self._running), budget=None, in_step=set())
+
+    def _advance(self, request_ids: list[int], budget: int | None,
+                 in_step: set[int]) -> tuple[list[Row], list[int]]:
+        """The next tokens of running requests, oldest first, at most `budget` tokens in all (None:
+        no limit); `in_step` (updated) holds the requests already given a row in this step. When the
+        pool lacks pages, parked session pages are evicted first (least recently parked first); then
+        the newest running request without a row is preempted (on-demand admission only ever gets
+        there) until the row fits, or the request itself when it is that newest."""
+        rows, preempted = [], []
+        for rid in request_ids:
+            request = self._requests[rid]
+            if request.status != "running" or self._finishes_pending(request):
+                continue      # preempted for an older request of this step; ends with its pending token
+            chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
+            if chunk < 1:
+                break
+            while not self.allocator.can_reserve(rid, request.num_computed + chunk):
+                if self._parked and request.num_computed + chunk <= self.allocator.max_seq_len:
+                    self._evict_oldest_parked()   # cached pages go before anyone is preempted
+                    continue
+                if self._in_flight:               # a lookahead never preempts (see the module docstring)
+                    raise _Declined
+                victim = next(v for v in reversed(self._running) if v not in in_step)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == rid:
+                    break
+            else:
+                in_step.add(rid)
+                rows.append(self._reserve_row(request, chunk))
+                if budget is not None:
+                    budget -= chunk
+        return rows, preempted
+
+    def _finishes_pending(self, request: _Request) -> bool:
+        """Async: the request's pending token will end it by length (it needs no further row)."""
+        return bool(request.pending) and (request.num_sampled >= request.max_new_tokens
+                                          or request.num_tokens >= self.max_context)
+
+    def _preempt(self, request_id: int) -> None:
+        request = self._requests[request_id]
+        self.allocator.free(request_id)
+        self._running.remove(request_id)
+        request.status = "waiting"
+        request.num_lost, request.num_computed, request.num_reused = request.num_computed, 0, 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(request_id)   # several in one step: the oldest ends up first
+
+    def _reserve_row(self, request: _Request, chunk: int) -> Row:
+        """Reserve memory for the next `chunk` tokens of a request and describe them as a row."""
+        start, end = request.num_computed, request.num_computed + chunk
+        self.allocator.reserve(request.request_id, end)
+        decode = chunk == 1 and request.num_sampled and end == request.num_tokens
+        prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
+        tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
+            else request.tokens[start:end]
+        tokens += [PENDING] * (chunk - len(tokens))    # async: sampled by the batch in flight
+        return Row(request.request_id, tokens, start,
+                   self.allocator.page_table(request.request_id), request.params,
+                   request.num_sampled, samples=end == request.num_tokens,
+                   kind="decode" if decode else "prefill")
+
+    def _finish_reason(self, request: _Request, token: int) -> str | None:
+        if token in self.eos_token_ids and not request.ignore_eos:
+            return "stop"
+        if len(request.generated) >= request.max_new_tokens or request.num_known >= self.max_context:
+            return "length"
+        return None
+
+    def _retire(self, request: _Request, reason: str) -> Result:
+        """Remove a request for good, free its memory, end a static group it was the last of."""
+        if request.status == "running":
+            self._running.remove(request.request_id)
+            if request.session is not None and request.num_computed:   # pages for the session's next request
+                old = self._parked.pop(request.session, None)
+                if old is not None:
+                    self.allocator.free(old.seq_id)
+                # what the cache holds: all but the last sampled token, or less if cancelled mid-prompt
+                # (async: rows still in flight may have computed more, but only known tokens can be reused)
+                cached = request.tokens[:min(request.num_computed, request.num_known - 1)]
+                self._parked[request.session] = _Parked(request.request_id, cached)
+            else:
+                self.allocator.free(request.request_id)
+        del self._requests[request.request_id]
+        if self._group and not any(member in self._requests for member in self._group):
+            self._group, self._group_decoding = [], False
+        return Result(request.request_id, list(request.prompt_ids), list(request.generated), reason)
+
+    def _idle_slots(self) -> int:
+        """Static: members already finished but still holding their seat in the group."""
+        return sum(member not in self._requests for member in self._group)
+
+    def _flight(self, batch_id: int, oldest: bool = False) -> _InFlight:
+        """The in-flight batch batch_id (with `oldest`: it must be the oldest, batches complete in order)."""
+        ids = list(self._in_flight)
+        if batch_id not in self._in_flight or (oldest and batch_id != ids[0]):
+            raise SchedulerError(f"batch {batch_id} is not {'the oldest batch ' if oldest else ''}in flight "
+                                 f"(in flight: {ids or None})")
+        return self._in_flight[batch_id]
+
+    def _save(self) -> _Saved:
+        return _Saved(list(self._waiting), list(self._running),
+                      {rid: (r.status, r.num_preemptions, r.num_computed, r.num_lost, r.num_reused)
+                       for rid, r in self._requests.items()},
+                      list(self._group), self._group_decoding, self._next_batch_id,
+                      self._next_request_id, self.num_preemptions,
+                      list(self._parked.items()))
+
+    def _log_entry(self, batch: Batch, preempted: list[int]) -> StepRecord:
+        prefill_rows = [row for row in batch.rows if row.kind == "prefill"]
+        # A request's first row after its admission starts where its reused prefix ends (0 without
+        # one); num_computed is not advanced before complete(), so that row starts at num_computed
+        # == num_reused, and any later chunk of it starts further on.
+        first_rows = [row for row in prefill_rows if row.start_pos == self._requests[row.request_id].num_reused]
+        # Tokens whose K/V sit in the cache after this step: the rows' context, plus the running
+        # requests outside the batch with what they had computed.
+        in_batch = {row.request_id for row in batch.rows}
+        cached = sum(row.context_len for row in batch.rows) + sum(
+            self._requests[rid].num_computed for rid in self._running if rid not in in_batch)
+        arrived_from = max([self._logged_request_id] + [f.arrived_before for f in self._in_flight.values()])
+        return {
+            "step": -1,            # filled in by complete(): its index in the log
+            "batch_id": batch.batch_id,
+            "kind": batch.kind,
+            "request_ids": [row.request_id for row in batch.rows],
+            "start_positions": batch.start_positions.tolist(),      # the runner's arrays, built once
+            "prefill_ids": [row.request_id for row in prefill_rows],
+            # prefill rows holding part of a sequence: [request id, start position, tokens, samples]
+            "chunks": [[row.request_id, row.start_pos, len(row.token_ids), row.samples]
+                       for row in prefill_rows if row.start_pos > 0 or not row.samples],
+            "rows": len(batch.rows),
+            "sampled": len(batch.sampling_rows),
+            "sampled_ids": [row.request_id for row in batch.rows if row.samples],
+            "tokens": batch.num_tokens,
+            "prefill_tokens": sum(len(row.token_ids) for row in prefill_rows),
+            "context_tokens": int(batch.context_lens.sum()),
+            "arrived": list(range(arrived_from, self._next_request_id)),
+            "admitted": [row.request_id for row in first_rows if not self._requests[row.request_id].num_preemptions],
+            # tokens computed a second time because a preemption threw their K/V away
+            "recomputed_tokens": sum(max(0, min(row.context_len, self._requests[row.request_id].num_lost)
+                                         - row.start_pos) for row in prefill_rows),
+            # prompt tokens not computed because the request adopted its session's parked pages
+            "reused_tokens": sum(row.start_pos for row in first_rows),
+            "preempted": list(preempted),
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "idle_slots": self._idle_slots(),
+            "used_pages": self.allocator.num_used,
+            "free_pages": self.allocator.num_free,
+            "cached_tokens": cached,
+            "finished": [],        # filled in by complete()
+            "sampled_tokens": [],  # filled in by complete(): one per sampling row
+        }

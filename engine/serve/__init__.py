@@ -1,0 +1,2 @@
+"""`python -m engine.serve` (chapter 12): the OpenAI-compatible HTTP server, its metrics and dashboard.
+"""
