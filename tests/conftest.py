@@ -32,7 +32,7 @@ def both_schedulings(request):
     """Run a module's tests with the engine loop scheduling one step at a time, then again with async
     scheduling (which the engine turns on only on a GPU: here the CPU runs the same overlapped loop).
     Module fixtures that build an LLM must depend on this one."""
-    import engine.runtime.llm
+    import engine.runtime.engine_config
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine.runtime.llm, "default_async_scheduling", lambda backend, scheduler_cls: request.param)
+        patch.setattr(engine.runtime.engine_config, "default_async_scheduling", lambda backend, scheduler_cls: request.param)
         yield request.param

@@ -111,8 +111,8 @@ def generate_with_arrivals(llm: LLM, workload: Workload, seed: int):
         if pending and (not sched.has_unfinished() or rng.random() < 0.35):
             submit()
             continue
-        llm.step(sched, {rid: 0 for rid in index_of})
-        results.update((index_of[r.request_id], (r.token_ids, r.finish_reason)) for r in sched.pop_finished())
+        out = llm.step(sched, {rid: 0 for rid in index_of})
+        results.update((index_of[r.request_id], (r.token_ids, r.finish_reason)) for r in out.finished)
     return [results[i] for i in range(len(workload.prompts))], sched
 
 
@@ -178,19 +178,20 @@ def test_tight_pool_equals_no_cache(workload, batching, kv_cache, kwargs, pressu
 
 def test_request_larger_than_the_pool_is_refused_before_anything_runs(monkeypatch):
     model_dir = gen_model_dir()
-    llm = LLM(model_dir, backend="numpy", max_context=64, page_size=4, kv_cache_mib=pool_mib(8, 4))
-    counter = ForwardCounter(llm.model)
-    monkeypatch.setattr(llm.model, "forward", counter)
     fits = [list(range(1, 11)), SamplingParams(max_new_tokens=5)]          # 14 cached tokens: 4 pages
     too_big = [list(range(1, 21)), SamplingParams(max_new_tokens=20)]      # 39 cached tokens: 10 pages
     for admission in ("conservative", "on_demand"):
-        llm.admission = admission
+        llm = LLM(model_dir, backend="numpy", max_context=64, page_size=4, kv_cache_mib=pool_mib(8, 4),
+                  admission=admission)
+        counter = ForwardCounter(llm.model)
+        monkeypatch.setattr(llm.model, "forward", counter)
         with pytest.raises(ValueError, match="larger than the whole KV pool"):
             llm.generate([fits[0], too_big[0]], [fits[1], too_big[1]])
         assert counter.tokens == []
-    # nothing was left behind: the same runner still serves a request that fits
-    [result] = llm.generate([fits[0]], fits[1])
-    assert len(result.token_ids) == 5 and counter.tokens
+        # nothing was left behind: the same runner still serves a request that fits
+        [result] = llm.generate([fits[0]], fits[1])
+        assert len(result.token_ids) == 5 and counter.tokens
+        llm.close()
 
 
 def test_pool_smaller_than_one_page_is_refused():

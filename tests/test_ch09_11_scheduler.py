@@ -43,10 +43,10 @@ def drain(sched):
     while sched.has_unfinished():
         batch = sched.schedule()
         batches.append(batch)
-        sched.complete(batch.batch_id, [fake_next_token(full_sequence(sched, row))
-                                        for row in batch.rows if row.samples])
+        out = sched.complete(batch.batch_id, [fake_next_token(full_sequence(sched, row))
+                                              for row in batch.rows if row.samples])
         sched.allocator.check_invariants()
-        results.update((r.request_id, r) for r in sched.pop_finished())
+        results.update((r.request_id, r) for r in out.finished)
     assert sched.schedule() is None
     return batches, results
 
@@ -412,11 +412,11 @@ def simulate(setup, fail_rate, cancel_rate):
         first_admissions += admitted
         sampling = [r for r in batch.rows if r.samples]
         sampled = [fake_next_token(prompts[r.request_id][0] + generated[r.request_id]) for r in sampling]
-        sched.complete(batch.batch_id, sampled)
+        out = sched.complete(batch.batch_id, sampled)
         pool.check_invariants()
         for row, token in zip(sampling, sampled, strict=True):
             generated[row.request_id].append(token)
-        for result in sched.pop_finished():
+        for result in out.finished:
             results[result.request_id] = result
         assert step < 10_000, "no progress"
     results.update((r.request_id, r) for r in sched.pop_finished())   # max_new_tokens=0 ones
@@ -586,10 +586,10 @@ def test_sessions_reuse_pages_and_stay_exact(admission, seed, chunked):
         assert all(row.kind == "prefill" for row in batch.rows if row.request_id not in started)
         reused += first
         started |= {row.request_id for row in batch.rows}
-        sched.complete(batch.batch_id, run_on_fake_cache(batch, cache))
+        out = sched.complete(batch.batch_id, run_on_fake_cache(batch, cache))
         assert sched.step_log[-1]["reused_tokens"] == first
         sched.allocator.check_invariants()
-        for result in sched.pop_finished():
+        for result in out.finished:
             assert (result.token_ids, result.finish_reason) == expected[result.request_id]
             session = live.pop(result.request_id)
             history[session] = result.prompt_ids + result.token_ids

@@ -99,8 +99,12 @@ def test_submit_while_running_joins_the_batch(llm, serial):
 
 
 def test_cancel_frees_the_pages(llm, serial):
-    prompts, expected = serial
-    handle = llm.submit(prompts[2], SamplingParams(max_new_tokens=50, ignore_eos=True))
+    prompts, _ = serial
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    # the whole answer, to compare with: how far the loop gets before it sees the cancel depends on
+    # thread timing, what it returns must be a prefix of this
+    expected = llm.generate([prompts[2]], params)[0].token_ids
+    handle = llm.submit(prompts[2], params)
     events = handle.stream()
     seen = [next(events).token_ids[0] for _ in range(3)]
     assert llm.stats()["pages_used"] > 0
@@ -109,7 +113,7 @@ def test_cancel_frees_the_pages(llm, serial):
     assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
     out = handle.result()
     assert out.finish_reason == "cancelled" and out.token_ids[:3] == seen
-    assert out.token_ids == expected[2][:len(out.token_ids)]
+    assert len(out.token_ids) < len(expected) and out.token_ids == expected[:len(out.token_ids)]
     assert_pool_clean(llm)
     handle.cancel()                               # once done: nothing happens
 

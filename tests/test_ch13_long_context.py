@@ -10,7 +10,9 @@ import pytest
 from helpers.oracle import GEN_CONFIG, gen_model_dir, greedy_no_cache
 
 from engine.model.forward_pass import load_model
-from engine.runtime.llm import CPU_KV_MIB, DEFAULT_MAX_CONTEXT, LLM, default_kv_mib, default_max_context
+from engine.runtime.engine_config import DEFAULT_MAX_CONTEXT, default_max_context
+from engine.runtime.llm import LLM
+from engine.runtime.model_runner import CPU_KV_MIB, default_kv_mib
 from engine.runtime.sampling_params import SamplingParams
 
 MODEL_MAX = GEN_CONFIG["max_position_embeddings"]        # 256

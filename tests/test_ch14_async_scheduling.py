@@ -78,10 +78,11 @@ def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
                 batch = None
         elif in_flight is not None and sched.has_unfinished():
             declined += 1
+        finished = sched.pop_finished()              # max_new_tokens == 0: at submit
         if in_flight is not None:
-            sched.complete(in_flight[0].batch_id, in_flight[1])
+            finished += sched.complete(in_flight[0].batch_id, in_flight[1]).finished
             pool.check_invariants()
-        for result in sched.pop_finished():
+        for result in finished:
             results[result.request_id] = result
         in_flight = (batch, sampled) if batch is not None else None
         assert step < 10_000, "no progress"
@@ -160,10 +161,11 @@ def test_a_decode_batch_feeds_pending_tokens_and_finishes_by_length_without_a_sp
     assert [r.request_id for r in third.rows] == [b] and third.rows[0].token_ids == [PENDING]
     with pytest.raises(SchedulerError):                        # batches complete in order
         sched.complete(third.batch_id, [9])
-    sched.complete(second.batch_id, [9, 10])
-    assert [(r.request_id, r.token_ids) for r in sched.pop_finished()] == [(a, [7, 9])]
-    sched.complete(third.batch_id, [11])
-    assert [(r.request_id, r.token_ids) for r in sched.pop_finished()] == [(b, [8, 10, 11])]
+    out = sched.complete(second.batch_id, [9, 10])
+    assert [(r.request_id, r.token_ids) for r in out.finished] == [(a, [7, 9])]
+    out = sched.complete(third.batch_id, [11])
+    assert [(r.request_id, r.token_ids) for r in out.finished] == [(b, [8, 10, 11])]
+    assert out.sampled == [(b, 11)] and [(row.request_id, row.start_pos) for row in out.rows] == [(b, 3)]
     assert sched.allocator.num_free == 8 and sched.schedule() is None
 
 
@@ -174,11 +176,12 @@ def test_eos_discards_the_row_already_in_flight_and_fail_is_refused():
     second = sched.schedule()
     with pytest.raises(SchedulerError):
         sched.fail(second.batch_id)
-    sched.complete(first.batch_id, [EOS])
-    assert [(r.request_id, r.token_ids, r.finish_reason) for r in sched.pop_finished()] == [(a, [EOS], "stop")]
-    sched.complete(second.batch_id, [5])                       # its row ran, its token is dropped
+    out = sched.complete(first.batch_id, [EOS])
+    assert [(r.request_id, r.token_ids, r.finish_reason) for r in out.finished] == [(a, [EOS], "stop")]
+    out = sched.complete(second.batch_id, [5])                 # its row ran, its token is dropped
     entry = sched.step_log[-1]
     assert entry["discarded"] == [a] and entry["sampled_ids"] == [] and entry["rows"] == 1
+    assert out.finished == out.sampled == out.rows == [] and out.record is entry
     assert sched.pop_finished() == [] and sched.allocator.num_free == 8
 
 
@@ -189,7 +192,6 @@ def test_a_session_parks_only_known_tokens_while_its_next_row_is_in_flight():
     second = sched.schedule()
     sched.complete(first.batch_id, [EOS])                      # parked while `second` writes position 3
     sched.complete(second.batch_id, [5])
-    sched.pop_finished()
     nxt = sched.submit([1, 2, 3, EOS, 6], params(1), session="chat")
     batch = sched.schedule()
     assert batch.rows[0].request_id == nxt and batch.rows[0].start_pos == 3   # reuses 1, 2, 3 only
@@ -236,7 +238,7 @@ def test_only_the_rows_of_live_requests_must_have_finite_logits():
     already launched is non-finite too and must not fail the other requests of that step (a newcomer
     admitted there, which the one-step-at-a-time loop would have run without it)."""
     from engine.ops.sampling import NonFiniteLogitsError, SampledTokens
-    from engine.runtime.llm import LaunchedStep
+    from engine.runtime.model_runner import LaunchedStep
     from engine.runtime.scheduler import Batch, Row
 
     rows = [Row(7, [PENDING], 5, [0, 1], None, 3, kind="decode"), Row(9, [4, 5], 0, [2], None, 0)]

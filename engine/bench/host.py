@@ -27,9 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-import engine.runtime.llm as llm_module
+import engine.runtime.model_runner as runner_module
 from engine.model.random_model import PRESETS, write_random_model
 from engine.ops.sampling import SampledTokens
+from engine.runtime.llm import LLM
 from engine.runtime.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ def write_host_model(directory: Path, max_context: int, tokenizer: bool = True) 
     return directory
 
 
-def free_forward(fb, cache):
+def free_forward(fb, cache=None):
     """Stand-in for Model.forward: no logits at all, only how many rows were asked for."""
     return np.empty((len(fb.logits_rows), 0), dtype=np.float32)
 
@@ -77,19 +78,19 @@ def main(argv=None) -> int:
     max_context = 2 * args.max_len + 8
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_host_model(Path(tmp), max_context, not args.no_tokenizer)
-        llm = llm_module.LLM(model_dir, backend="numpy", max_seqs=args.max_seqs, max_batch_tokens=8192,
-                             max_context=max_context)
-    llm.model.forward = free_forward
-    real_sample, llm_module.start_sampling = llm_module.start_sampling, make_free_sample(llm.config.vocab_size)
+        llm = LLM(model_dir, backend="numpy", max_seqs=args.max_seqs, max_batch_tokens=8192,
+                      max_context=max_context)
+    llm.model.forward = free_forward  # type: ignore[method-assign]  # the stand-in, on this instance only
+    real_sample, runner_module.start_sampling = runner_module.start_sampling, make_free_sample(llm.config.vocab_size)
     try:
         prompts, params = workload(args.requests, args.min_len, args.max_len)
         llm.generate(prompts[:2], params[:2])     # warm-up: the loop thread, first detokenizers
-        best = None
+        best = float("inf")
         for _ in range(args.repeat):
             t = time.perf_counter()
             results = llm.generate(prompts, params)
             sec = time.perf_counter() - t
-            best = sec if best is None else min(best, sec)
+            best = min(best, sec)
         log = llm.last_step_log
         if args.profile:
             prof = cProfile.Profile()          # the loop thread's work: profile each of its iterations
@@ -101,14 +102,14 @@ def main(argv=None) -> int:
                     iteration(*a)
                 finally:
                     prof.disable()
-            llm._engine._iteration = profiled
+            llm._engine._iteration = profiled  # type: ignore[method-assign]  # this instance only, for one run
             llm.generate(prompts, params)
-            llm._engine._iteration = iteration
+            llm._engine._iteration = iteration  # type: ignore[method-assign]  # the real one back
             stats = pstats.Stats(prof, stream=sys.stderr)
             stats.sort_stats("tottime").print_stats(30)
             stats.sort_stats("cumulative").print_stats(30)
     finally:
-        llm_module.start_sampling = real_sample
+        runner_module.start_sampling = real_sample
     steps = len(log)
     rows = sum(s["rows"] for s in log)
     tokens = sum(len(r.token_ids) for r in results)

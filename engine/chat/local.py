@@ -13,7 +13,8 @@ class Chat(ConversationFrontEnd):
 
     def __init__(self, model_dir, backend: str, params, system: str | None, max_context: int | None, llm=None):
         from engine.formats.config import load_config
-        from engine.runtime.llm import LLM, default_max_context
+        from engine.runtime.engine_config import default_max_context
+        from engine.runtime.llm import LLM
         config = load_config(model_dir)          # first: its error says "not a model directory"
         if llm is None:    # one conversation: a pool of one context is enough
             llm = LLM(model_dir, backend, max_seqs=1,

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
+from engine.checks import is_int, is_real
 
 
 class ConfigError(ValueError):
@@ -104,8 +103,8 @@ class LlamaConfig(ModelShape):
 
     def to_hf_dict(self) -> dict:
         """A config.json dict (older layout) that transformers reads back to the same model."""
-        d = {"architectures": [FAMILIES[self.model_type]], "model_type": self.model_type, "hidden_act": "silu",
-             "torch_dtype": "bfloat16"}
+        d: dict[str, object] = {"architectures": [FAMILIES[self.model_type]], "model_type": self.model_type,
+                                "hidden_act": "silu", "torch_dtype": "bfloat16"}
         if self.model_type != "qwen2":          # Qwen2 always has its q/k/v biases: no key for them
             d.update(attention_bias=False, mlp_bias=False)
         for k, v in asdict(self).items():
@@ -120,26 +119,17 @@ class LlamaConfig(ModelShape):
 # ---------------------------------------------------------------------------------------------
 # Strict readers: each names the key it refuses
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def read_int(d: dict, key: str, default=None, lo: int = 1, hi: int = MAX_SIZE, where: str = "config.json") -> int:
     v = d.get(key, default)
-    if not _is_int(v) or not lo <= v <= hi:
+    if not is_int(v) or not lo <= v <= hi:
         raise ConfigError(f"{where}: '{key}' must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 
 
-def read_float(d: dict, key: str, default: float, lo: float, hi: float, where: str = "config.json",
+def read_float(d: dict, key: str, default: float | None, lo: float, hi: float, where: str = "config.json",
                lo_open: bool = False) -> float:
     v = d.get(key, default)
-    ok = _is_number(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
-    if not ok:
+    if v is None or not (is_real(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
         raise ConfigError(f"{where}: '{key}' must be a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}], "
                           f"got {v!r}")
     return float(v)
@@ -333,7 +323,7 @@ def _token_ids(v, key: str, vocab_size: int) -> tuple[int, ...]:
     if v is None:
         return ()
     items = v if isinstance(v, list) else [v]
-    if not all(_is_int(x) and 0 <= x < vocab_size for x in items):
+    if not all(is_int(x) and 0 <= x < vocab_size for x in items):
         raise ConfigError(f"'{key}' must be a token id or a list of token ids in [0, {vocab_size}), got {v!r}")
     return tuple(items)
 
@@ -369,11 +359,6 @@ def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaCon
 # ---------------------------------------------------------------------------------------------
 # Engine settings, checked against the model before any weight is read
 
-def _is_integral(v) -> bool:
-    """Python or NumPy integers; never bools (True is not a count)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
 def check_serving_args(config: LlamaConfig, *, max_context=None, max_seqs=None, max_batch_tokens=None,
                        page_size=16, kv_cache_mib=None) -> None:
     """Raise ValueError naming the first engine setting that cannot work with this model.
@@ -388,11 +373,10 @@ def check_serving_args(config: LlamaConfig, *, max_context=None, max_seqs=None, 
     for name, (value, lo, hi) in bounds.items():
         if value is None and name != "page_size":
             continue
-        if not _is_integral(value) or not lo <= value <= hi:
+        if not is_int(value) or not lo <= value <= hi:
             raise ValueError(f"{name} must be an integer in [{lo}, {hi}] for this model, got {value!r}")
-    if kv_cache_mib is not None and (not isinstance(kv_cache_mib, numbers.Real)
-                                     or isinstance(kv_cache_mib, (bool, np.bool_))
-                                     or not math.isfinite(kv_cache_mib) or kv_cache_mib <= 0):
+    if kv_cache_mib is not None and (not is_real(kv_cache_mib) or not math.isfinite(kv_cache_mib)
+                                     or kv_cache_mib <= 0):
         raise ValueError(f"kv_cache_mib must be a finite number > 0, got {kv_cache_mib!r}")
 
 

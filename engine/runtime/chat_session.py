@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from engine.model.forward_pass import ForwardBatch, Model
 from engine.model.kv_cache import KVCache
 from engine.ops.sampling import sample
+from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.sampling_params import SamplingParams, resolve_seed, step_uniform
 from engine.runtime.scheduler import common_prefix
 
@@ -30,16 +31,16 @@ class ChatSession:
         self.cache = KVCache.contiguous(model.config, 1, self.max_context, model.backend)
         self.cached: list[int] = []          # tokens whose K/V are in the cache, in order
         self.finish_reason: str | None = None
-        self._graph = None                   # GPU: the decode step as a CUDA graph (built on first use)
+        self.graphs = DecodeGraphs(model, self.cache, max_rows=1)   # GPU: decode steps as a CUDA graph
 
     def _decode_step(self, token: int, start: int):
-        """One token at position `start`: a CUDA graph replay on the GPU, a plain forward on the CPU."""
-        if not self.model.backend.is_gpu:
+        """One token at position `start`: a CUDA graph replay on the GPU (the one-row bucket of
+        engine/runtime/cuda_graphs.py over this slot), a plain forward on the CPU or while a
+        learner's stage is plugged in."""
+        batch = ForwardBatch.single([token], start, page_table=[0], page_size=self.max_context)
+        logits = self.graphs.forward(batch)
+        if logits is None:
             return self._forward([token], start)
-        if self._graph is None:
-            from engine.cuda_graph import DecodeGraph
-            self._graph = DecodeGraph(self.model, self.cache, token, start)
-        logits = self._graph(token, start)
         self.cached = self.cached[:start] + [token]
         return logits
 

@@ -1,74 +1,49 @@
-"""The online engine (chapter 12): one loop owns the model, the KV cache and the scheduler.
+"""The engine loop (chapter 12): one thread owns the model runner, the KV cache and the scheduler.
 
 Requests arrive from any thread (or asyncio coroutine) at any time through `EngineLoop.submit`,
 which checks them at once (a ValueError before anything runs) and queues them. One background
 thread runs the loop while there is work and sleeps on a condition variable when there is none
 (no busy-spinning):
 
-    take the queued submissions and cancellations -> schedule -> forward -> sample -> complete
-    -> hand every request its new token (and text) -> repeat
+    take the queued submissions and cancellations -> schedule -> launch (forward + sample)
+    -> wait -> complete (a StepOutput) -> hand every request its new token (and text) -> repeat
+
+The step itself comes in two compositions of the model runner's calls (engine/runtime/model_runner.py),
+written side by side below: `synchronous_step` (schedule, launch, wait, complete: the CPU, a learner's
+scheduler, LLM.step by hand) and `_overlapped_step` (async scheduling, on a GPU: it schedules and
+launches step N+1, then waits for step N's tokens and hands them out while the GPU runs step N+1).
+The GPU never waits for the host's scheduling and bookkeeping, only the other way round; a request
+that ends at step N (eos, a stop string, a cancel) has its row of step N+1 computed and discarded.
 
 Every new request joins the running batch at the next step; a cancelled one leaves at the next step
 boundary with its pages freed. Stop strings (SamplingParams.stop) are checked here, on the text the
 detokenizer produces: the scheduler sees only token ids, so when a request's text reaches one of its
 stop strings the loop ends it (finish_reason "stop", pages freed) and its text ends before the string.
-A forward pass that raises fails the requests of that batch with the
-exception (their handles re-raise it) and the engine carries on with the others.
+A forward pass that raises fails the requests of that batch with the exception (their handles
+re-raise it) and the engine carries on with the others. `LLM.generate`, the chat and the HTTP server
+all go through this loop: nothing else writes the cache.
 
-On a GPU the loop keeps one batch in flight (async scheduling, engine/runtime/scheduler.py): it schedules and
-launches step N+1, then waits for step N's tokens and hands them out while the GPU runs step N+1.
-The GPU never waits for the host's scheduling and bookkeeping, only the other way round; a request
-that ends at step N (eos, a stop string, a cancel) has its row of step N+1 computed and discarded. `LLM.generate`,
-the chat and the HTTP server all go through this loop: nothing else writes the cache.
-
-The thread holds the LLM only through a weak reference while it sleeps, so dropping the last
-reference to an LLM frees its model and cache (and ends the thread).
+The loop reads what a step did from `Scheduler.complete()`'s StepOutput and writes the handles only
+through their producer methods (engine/runtime/request.py). The thread holds the runner only through
+a weak reference while it sleeps, so dropping the last reference to an LLM frees its model and cache
+(and ends the thread).
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 
+from engine.runtime.engine_config import EngineConfig
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.request import HandleHub, RequestHandle, RequestOutput
 from engine.runtime.sampling_params import resolve_seed
+from engine.runtime.scheduler import Scheduler, StepOutput
 from engine.text.stop_strings import StopStringMatcher
 
 RECENT_REQUESTS = 256     # finished requests kept for stats() (a dashboard's timeline)
 RECENT_STEPS = 512        # steps kept for stats()' throughput figure
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """What one step did for one request. The texts of all events concatenate to the full decode."""
-    request_id: int
-    token_ids: list[int]          # new token ids (one per step; none in a "cancelled" event)
-    text: str                     # new text; a UTF-8 character split over tokens comes out whole
-    finished: bool
-    finish_reason: str | None     # "stop" | "length" | "cancelled" | None while running
-
-
-def wake_all(listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
-    """Wake the astream() readers of one step: one call into each event loop, not one per request.
-
-    call_soon_threadsafe writes to the loop's wake-up pipe; with hundreds of streaming requests, one
-    write per request per step would cost the engine thread more than the step's own bookkeeping."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
-    for loop, event in listeners:
-        by_loop.setdefault(loop, []).append(event)
-    for loop, events in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_set_all, events)
-        except RuntimeError:      # the event loop is closed: nobody is listening any more
-            pass
-
-
-def _set_all(events: list[asyncio.Event]) -> None:
-    for event in events:
-        event.set()
 
 
 class BatchFailed(Exception):
@@ -79,189 +54,17 @@ class BatchFailed(Exception):
         self.request_ids = request_ids
 
 
-class RequestHandle:
-    """One submitted request: stream its tokens, wait for its result, or cancel it (any thread).
-
-    The loop hands the handle bare token ids (one append per row and step, under the engine's one
-    condition for all handles); StreamEvents, and their text, are made only when a consumer reads
-    them (stream/astream). A request nobody streams (generate() waits for results) never pays for
-    per-token events or incremental detokenization. A request with stop strings gets its text from
-    the loop, which must read it to find the stop.
-    """
-
-    def __init__(self, engine: EngineLoop, request_id: int, prompt_token_ids: list[int], params, session):
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.params, self.session = params, session
-        self._engine = engine
-        self._cond = engine._handles_cv   # shared by every handle: one notify per step wakes all readers
-        # Written by the loop under _cond:
-        self._tokens: list[int] = []      # token ids handed over so far, one per step
-        self._texts: list[str] | None = [] if params.stop else None   # their text (stop strings only)
-        self._end: tuple[list[int], str | None, str] | None = None     # final event: tokens, text, reason
-        self._output = None               # RequestOutput once finished
-        self._error: BaseException | None = None
-        self._accepted = True             # False until a remote engine (engine.runtime.engine_process) confirms it
-        self._listeners: list = []        # (event loop, asyncio.Event) of each astream() reader
-        # Made from the above by consumers, under _events_lock:
-        self._events_lock = threading.Lock()
-        self._events: list[StreamEvent] = []
-        self._detok = None
-        # Timeline for stats() and the chat's /stats (time.monotonic() seconds), written by the loop.
-        self.submitted_at = time.monotonic()
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self.state = "waiting"        # waiting | prefill | decode | preempted | finished
-        self.transitions: list[tuple[str, float]] = [("waiting", self.submitted_at)]
-        self.num_generated = 0
-        self.reused_tokens = 0        # prompt tokens whose K/V came from the session's cached pages
-        self.prefilled_tokens = 0     # prompt tokens whose K/V are in the cache (chunked prefill's progress)
-        self.num_preemptions = 0
-
-    # ---- consumer side -------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self._output is not None or self._error is not None
-
-    def _available(self) -> int:
-        """Events the loop has handed over (call under _cond)."""
-        return len(self._tokens) + (self._end is not None)
-
-    def _read(self, start: int) -> tuple[list[StreamEvent], BaseException | None, bool]:
-        """(events[start:], error, done): the events handed over so far, made into StreamEvents."""
-        with self._cond:
-            n, end, texts = len(self._tokens), self._end, self._texts
-            error, done = self._error, self.done
-        with self._events_lock:             # two readers of one handle share one detokenizer
-            events = self._events
-            for k in range(len(events), n):
-                token = self._tokens[k]
-                text = texts[k] if texts is not None else self._push_text([token])
-                events.append(StreamEvent(self.request_id, [token], text, False, None))
-            if end is not None and len(events) == n:
-                tokens, text, reason = end
-                if text is None:
-                    text = self._push_text(tokens) + (self._detok.flush() if self._detok is not None else "")
-                events.append(StreamEvent(self.request_id, tokens, text, True, reason))
-            return events[start:], error, done
-
-    def _push_text(self, tokens: list[int]) -> str:
-        tokenizer = self._engine._tokenizer
-        if tokenizer is None:
-            return ""
-        if self._detok is None:
-            self._detok = tokenizer.detokenizer(skip_special_tokens=True)
-        return "".join(self._detok.push(t) for t in tokens)
-
-    def stream(self, heartbeat: float | None = None) -> Iterator[StreamEvent | None]:
-        """Yield events as they come, the last one with finished=True; re-raises a failure.
-
-        heartbeat: also yield None after that many seconds without an event (progress displays).
-        """
-        i = 0
-        while True:
-            with self._cond:          # shared by all handles: wait for one of our own events
-                self._cond.wait_for(lambda seen=i: seen < self._available() or self.done, heartbeat)
-            new, error, done = self._read(i)
-            i += len(new)
-            yield from new            # no event is added once done: these were the last ones
-            if done:
-                if error is not None:
-                    raise error
-                return
-            if not new and heartbeat is not None:
-                yield None
-
-    async def astream(self) -> AsyncIterator[StreamEvent]:
-        """The same as stream(), for asyncio: waiting never blocks the event loop."""
-        async for events in self.astream_batches():
-            for event in events:
-                yield event
-
-    async def astream_batches(self) -> AsyncIterator[list[StreamEvent]]:
-        """astream() in batches: every event handed over since the last batch, at once.
-
-        A consumer that falls behind (an HTTP server writing to many clients) gets several tokens
-        per wake-up and can send them as one message, so it catches up instead of lagging further.
-        """
-        i = 0
-        while True:
-            await self._until(lambda seen=i: seen < self._available() or self.done)
-            new, error, done = self._read(i)
-            i += len(new)
-            if new:
-                yield new
-            if done:
-                if error is not None:
-                    raise error
-                return
-
-    async def accepted(self) -> None:
-        """Return once the engine has taken the request; ValueError if it refused it. An in-process
-        engine checks requests in submit() (this returns at once); an engine in another process
-        (engine.runtime.engine_process) checks them there, and answers a moment later."""
-        await self._until(lambda: self._accepted or self.done)
-        if not self._accepted and isinstance(self._error, ValueError):
-            raise self._error
-
-    async def _until(self, ready) -> None:
-        """Wait, without blocking the event loop, until ready() holds (checked under the handles' lock)."""
-        wake = asyncio.Event()
-        listener = (asyncio.get_running_loop(), wake)
-        with self._cond:
-            if ready():
-                return
-            self._listeners.append(listener)
-        try:
-            while True:
-                await wake.wait()
-                wake.clear()
-                with self._cond:
-                    if ready():
-                        return
-        finally:
-            with self._cond:
-                self._listeners.remove(listener)
-
-    def result(self, timeout: float | None = None):
-        """Block until the request ends; its RequestOutput, or the exception that failed it."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.done, timeout):
-                raise TimeoutError(f"request {self.request_id} is still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._output
-
-    def cancel(self) -> None:
-        """Stop the request at the next step boundary (its pages are freed then). No-op once done."""
-        self._engine.cancel(self.request_id)
-
-    # ---- engine side ---------------------------------------------------------------------------
-    def _enter(self, state: str, at: float) -> None:
-        if state != self.state:
-            self.state = state
-            self.transitions.append((state, at))
-
-    def info(self) -> dict:
-        """Plain data for stats()."""
-        return {"request_id": self.request_id, "state": self.state, "prompt_tokens": len(self.prompt_token_ids),
-                "prefilled_tokens": self.prefilled_tokens,
-                "generated_tokens": self.num_generated, "reused_tokens": self.reused_tokens,
-                "preemptions": self.num_preemptions, "submitted": self.submitted_at,
-                "first_token": self.first_token_at, "finished": self.finished_at,
-                "finish_reason": self._output.finish_reason if self._output is not None else
-                ("error" if self._error is not None else None),
-                "timeline": list(self.transitions)}
-
-
 class EngineLoop:
     """The loop behind one LLM. See the module docstring."""
 
-    def __init__(self, llm):
-        self._llm_ref = weakref.ref(llm, lambda _ref: self.close())
+    def __init__(self, runner: ModelRunner, engine_config: EngineConfig, tokenizer, eos_token_ids: set[int]):
+        # the thread holds the runner only weakly while it sleeps: dropping the LLM frees the model
+        # and the cache, and closes the loop
+        self._runner_ref = weakref.ref(runner, lambda _ref: self.close())
+        self.engine_config, self._eos, self._num_pages = engine_config, eos_token_ids, runner.cache.num_pages
         self.lock = threading.Lock()          # held for each loop iteration and by hand-driven steps
         self._cv = threading.Condition()      # guards the queues below and the thread's sleep
-        self._handles_cv = threading.Condition()   # guards what the loop hands to RequestHandles
+        self.hub = HandleHub()                # what every RequestHandle waits on; the loop writes them through it
         self._pending: list[RequestHandle] = []
         self._cancels: set[int] = set()
         self._next_id = 0
@@ -272,9 +75,9 @@ class EngineLoop:
         self._stats_wanted = 0
         self._stats_served = 0
         self._stats: dict | None = None
-        self._tokenizer = llm.tokenizer
-        self.scheduler = llm.new_scheduler(async_scheduling=llm.async_scheduling)
-        self._in_flight = None                # async scheduling: the launched step not yet completed
+        self._tokenizer = tokenizer
+        self.scheduler = self.new_scheduler(async_scheduling=engine_config.async_scheduling)
+        self._in_flight = None                # async scheduling: the LaunchedStep not yet completed
         self.manual = None                    # weakref to a scheduler driven by hand (LLM.step)
         # Owned by the loop thread:
         self._handles: dict[int, RequestHandle] = {}
@@ -287,6 +90,12 @@ class EngineLoop:
         self._ttft: deque[float] = deque(maxlen=RECENT_REQUESTS)
         self.tokens_generated = 0
         self.num_steps = 0
+
+    def new_scheduler(self, first_request_id: int = 0, *, async_scheduling: bool = False) -> Scheduler:
+        """A scheduler over this engine's KV pool (the loop's own, or one that chapters 10-11 drive by
+        hand through LLM.step)."""
+        return self.engine_config.new_scheduler(self._num_pages, self._eos, first_request_id,
+                                                async_scheduling=async_scheduling)
 
     # ---- any thread ----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> list[int]:
@@ -311,7 +120,8 @@ class EngineLoop:
                 raise RuntimeError("this LLM was closed")
             handles = []
             for prompt, (_, params, session) in zip(prompts, requests, strict=True):
-                handles.append(RequestHandle(self, self._next_id, prompt, params, session))
+                handles.append(RequestHandle(self.hub, self._next_id, prompt, params, session,
+                                             cancel=self.cancel, tokenizer=self._tokenizer))
                 self._next_id += 1
             self._pending.extend(handles)
             self._start_thread()
@@ -374,33 +184,32 @@ class EngineLoop:
                 pending, self._pending = self._pending, []
                 cancels, self._cancels = self._cancels, set()
                 closed = self._closed
-            llm = self._llm_ref()
+            runner = self._runner_ref()
             with self.lock:
                 for handle in pending:
                     self._handles[handle.request_id] = handle
-                if closed or llm is None:
+                if closed or runner is None:
                     self._fail_all(RuntimeError("the LLM was closed"))
                     with self._cv:
                         self._busy = False
                         self._cv.notify_all()
                     return
                 try:
-                    self._iteration(llm, pending, cancels)
+                    self._iteration(runner, pending, cancels)
                 except BaseException as exc:     # a bug, not a model error: fail everything, start afresh
                     self._fail_all(exc)
                     with self._cv:               # the next submission's id is the new scheduler's first
                         first = min([h.request_id for h in self._pending], default=self._next_id)
                     self._in_flight = None
-                    self.scheduler = llm.new_scheduler(first_request_id=first,
-                                                       async_scheduling=llm.async_scheduling)
+                    self.scheduler = self.new_scheduler(first, async_scheduling=self.engine_config.async_scheduling)
                     if not isinstance(exc, Exception):
                         raise
                 finally:
                     self._has_work = self.scheduler.has_unfinished() or self._in_flight is not None
                     self._serve_stats()
-            del llm
+            del runner
 
-    def _iteration(self, llm, pending: list[RequestHandle], cancels: set[int]) -> None:
+    def _iteration(self, runner: ModelRunner, pending: list[RequestHandle], cancels: set[int]) -> None:
         sched = self.scheduler
         for handle in pending:
             request_id = sched.submit(handle.prompt_token_ids, handle.params, session=handle.session)
@@ -415,32 +224,39 @@ class EngineLoop:
             if request_id in self._handles:
                 self._finish([sched.cancel(request_id)])
         if sched.async_scheduling:
-            self._overlapped_step(llm, sched)
-            return
-        if not sched.has_unfinished():
-            return
-        t0 = time.monotonic()
+            self._overlapped_step(runner, sched)
+        elif sched.has_unfinished():
+            t0 = time.monotonic()
+            try:
+                out = self.synchronous_step(runner, sched, self._seeds)
+            except BatchFailed as failed:
+                for request_id in failed.request_ids:
+                    sched.cancel(request_id)
+                    sched.drop_session(self._handles[request_id].session)   # its pages may be half-written
+                    self._fail(self._handles[request_id], failed.__cause__)
+                return
+            if out is None:
+                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+            self._account(out, t0, time.monotonic())
+
+    # ---- the two ways to run a step, side by side ----------------------------------------------
+    @staticmethod
+    def synchronous_step(runner: ModelRunner, sched: Scheduler, seeds: dict[int, int]) -> StepOutput | None:
+        """schedule -> launch -> wait -> complete. None when there was nothing to run; a failed step is
+        undone (sched.fail: the scheduler is as before schedule()) and raised as BatchFailed."""
+        batch = sched.schedule()
+        if batch is None:
+            return None
         try:
-            ran = llm._step(sched, self._seeds)
-        except BatchFailed as failed:
-            for request_id in failed.request_ids:
-                sched.cancel(request_id)
-                sched.drop_session(self._handles[request_id].session)   # its pages may be half-written
-                self._fail(self._handles[request_id], failed.__cause__)
-            return
-        if ran is None:
-            raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
-        self._account_log(sched, t0, time.monotonic())
+            launched = runner.launch(batch, seeds)
+            tokens = launched.tokens()
+        except BaseException as exc:
+            sched.fail(batch.batch_id)
+            raise BatchFailed([row.request_id for row in batch.rows]) from exc
+        return runner.complete(sched, launched, tokens)
 
-    def _account_log(self, sched, t0: float, t1: float) -> None:
-        for entry in sched.step_log:
-            self._account(entry, t0, t1)
-            for log in self._collectors:
-                log.append(entry)
-        sched.step_log.clear()
-
-    def _overlapped_step(self, llm, sched) -> None:
-        """Async scheduling: launch step N+1 (if anything can run), then complete step N.
+    def _overlapped_step(self, runner: ModelRunner, sched: Scheduler) -> None:
+        """Async scheduling: launch step N+1 (if anything can run), then wait for and complete step N.
 
         A launch that raises fails the requests of its batch; a step whose samples cannot be read
         (non-finite logits) fails the requests of its batch, whose rows in the step just launched
@@ -450,7 +266,7 @@ class EngineLoop:
         batch = sched.schedule() if sched.has_unfinished() else None
         if batch is not None:
             try:
-                launched = llm._launch(batch, self._seeds, previous)
+                launched = runner.launch(batch, self._seeds, previous)
             except Exception as exc:
                 self._abort(sched, batch.batch_id, exc)
         if previous is not None:
@@ -459,47 +275,62 @@ class EngineLoop:
             except Exception as exc:
                 self._abort(sched, previous.batch.batch_id, exc)
             else:
-                llm._complete(sched, previous, tokens)
-                self._account_log(sched, previous.launched_at, time.monotonic())
+                self._account(runner.complete(sched, previous, tokens), previous.launched_at, time.monotonic())
         elif batch is None and sched.has_unfinished():
             raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
         self._in_flight = launched
 
-    def _abort(self, sched, batch_id: int, error: BaseException) -> None:
+    def step_by_hand(self, runner: ModelRunner, sched: Scheduler, seeds: dict[int, int]) -> StepOutput | None:
+        """LLM.step: one synchronous step of a scheduler that chapters 10-11 drive themselves, while the
+        loop serves nothing (both would write the same cache). None when there was nothing to run."""
+        with self.lock:
+            if sched is not self.scheduler:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the engine loop is serving requests: wait for them before stepping by hand")
+                self.scheduler.drop_all_sessions()     # their cached pages are about to be overwritten
+                self.manual = weakref.ref(sched)
+            try:
+                return self.synchronous_step(runner, sched, seeds)
+            except BatchFailed as failed:
+                raise failed.__cause__ from None
+
+    def _abort(self, sched: Scheduler, batch_id: int, error: BaseException) -> None:
         for result in sched.abort(batch_id):
             self._fail(self._handles[result.request_id], error)
 
-    def _account(self, entry: dict, t0: float, t1: float) -> None:
+    # ---- handing results to the requests ----------------------------------------------------------
+    def _account(self, out: StepOutput, t0: float, t1: float) -> None:
         """Move each row's request to its state; hand each sampled token to its request; finish the
-        ones the scheduler finished. (A chunk that stops short of its prompt's end sampled nothing.)
+        ones the step finished. (A chunk that stops short of its prompt's end sampled nothing.)
 
         The common row (a decode step of a request already decoding, no stop strings) costs a few
         attribute updates and one list append; events and text are made when someone reads them.
         """
         self.num_steps += 1
-        self._steps.append((t0, t1, entry["sampled"], entry["kind"]))
-        for request_id in entry["preempted"]:
+        self._steps.append((t0, t1, len(out.sampled), out.kind))
+        for log in self._collectors:
+            log.append(out.record)
+        self.scheduler.step_log.clear()       # the collectors hold the records a caller asked for
+        for request_id in out.preempted:
             handle = self._handles[request_id]
             handle.num_preemptions += 1
             handle.prefilled_tokens = 0
             if not handle.num_generated:      # its prompt is computed again from position 0
                 handle.reused_tokens = 0
-            handle._enter("preempted", t0)
-        finished = {r.request_id: r for r in self.scheduler.pop_finished()}
+            handle.enter("preempted", t0)
+        finished = {r.request_id: r for r in out.finished}
         final_text: dict[int, str] = {}
-        admitted, prefilling = set(entry["admitted"]), set(entry["prefill_ids"])
-        chunk_ends = {rid: start + n for rid, start, n, samples in entry["chunks"] if not samples}
-        for request_id, start in zip(entry["request_ids"], entry["start_positions"], strict=True):
-            handle = self._handles[request_id]
-            if handle.state == "decode" and request_id not in prefilling:
+        for row in out.rows:
+            handle = self._handles[row.request_id]
+            if handle.state == "decode" and not row.prefill:
                 continue                      # decoding on: its state and prompt progress stay as they are
-            handle._enter("prefill" if request_id in prefilling else "decode", t0)
-            if request_id in admitted:        # a first row starts after the prefix reused from the session
-                handle.reused_tokens = start
+            handle.enter("prefill" if row.prefill else "decode", t0)
+            if row.admitted:                  # a first row starts after the prefix reused from the session
+                handle.reused_tokens = row.start_pos
             prompt_len = len(handle.prompt_token_ids)
-            handle.prefilled_tokens = min(chunk_ends.get(request_id, prompt_len), prompt_len)
+            handle.prefilled_tokens = prompt_len if row.samples else min(row.end_pos, prompt_len)
         delivered: list[tuple[RequestHandle, int, str | None]] = []   # (handle, token, text: stop strings only)
-        for request_id, token in zip(entry["sampled_ids"], entry["sampled_tokens"], strict=True):
+        for request_id, token in out.sampled:
             handle = self._handles[request_id]
             handle.num_generated += 1
             if handle.first_token_at is None:
@@ -508,26 +339,19 @@ class EngineLoop:
             if request_id in finished:
                 continue
             text = None
-            if handle._texts is not None:
+            if request_id in self._stops:
                 text = self._stop_text(request_id, [token], final=False)
                 if self._stops[request_id].stopped:     # its text reached a stop string: it ends here
                     result = self.scheduler.cancel(request_id)
                     result.finish_reason = "stop"
                     finished[request_id], final_text[request_id] = result, text
                     continue
-            handle._enter("decode", t1)
+            handle.enter("decode", t1)
             delivered.append((handle, token, text))
-        self.tokens_generated += len(entry["sampled_ids"])
-        listeners = []
-        with self._handles_cv:
+        self.tokens_generated += len(out.sampled)
+        with self.hub.publish():
             for handle, token, text in delivered:
-                handle._tokens.append(token)
-                if text is not None:
-                    handle._texts.append(text)
-                if handle._listeners:
-                    listeners += handle._listeners
-            self._handles_cv.notify_all()
-        wake_all(listeners)
+                handle.deliver([token], None if text is None else [text])
         self._finish(list(finished.values()), sampled_now=set(finished), at=t1, final_text=final_text)
 
     def _stop_text(self, request_id: int, tokens: list[int], final: bool) -> str:
@@ -543,7 +367,6 @@ class EngineLoop:
         """Deliver final events and outputs; requests in `sampled_now` got their last token this step
         (it goes into the final event); `final_text` holds that event's text where it is known already
         (a stop string ended the request)."""
-        from engine.runtime.llm import RequestOutput
         if not results:
             return
         at = time.monotonic() if at is None else at
@@ -564,17 +387,13 @@ class EngineLoop:
                 text = None
                 full = self._tokenizer.decode(result.token_ids, skip_special_tokens=True) if self._tokenizer else ""
             handle.finished_at = at
-            handle._enter("finished", at)
+            handle.enter("finished", at)
             self._recent.append(handle)
             ended.append((handle, (new, text, result.finish_reason),
                           RequestOutput(result.prompt_ids, result.token_ids, full, result.finish_reason)))
-        listeners = []
-        with self._handles_cv:
+        with self.hub.publish():
             for handle, end, output in ended:
-                handle._end, handle._output = end, output
-                listeners += handle._listeners
-            self._handles_cv.notify_all()
-        wake_all(listeners)
+                handle.finish(end, output)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
@@ -582,13 +401,10 @@ class EngineLoop:
         self._stops.pop(handle.request_id, None)
         self._seeds.pop(handle.request_id, None)
         handle.finished_at = time.monotonic()
-        handle._enter("finished", handle.finished_at)
+        handle.enter("finished", handle.finished_at)
         self._recent.append(handle)
-        with self._handles_cv:
-            handle._error = error
-            listeners = list(handle._listeners)
-            self._handles_cv.notify_all()
-        wake_all(listeners)
+        with self.hub.publish():
+            handle.fail(error)
 
     def _fail_all(self, error: BaseException) -> None:
         for handle in list(self._handles.values()):

@@ -27,8 +27,10 @@ import signal
 import threading
 from pathlib import Path
 
-from engine.runtime.engine_loop import RequestHandle, wake_all
+from engine.formats.config import load_config
+from engine.runtime.request import HandleHub, RequestHandle, RequestOutput, prepare_prompt
 from engine.runtime.sampling_params import SamplingParams
+from engine.text.tokenizer import load_tokenizer
 
 START_TIMEOUT_S = 900          # loading a model and compiling its kernels on first use
 FORWARD_POLL_S = 0.05          # the forwarder's longest sleep when no step notifies it
@@ -49,11 +51,9 @@ class RemoteLLM:
 
     def __init__(self, model_dir, backend: str = "auto", **llm_kwargs):
         model_dir = Path(model_dir)
-        self.tokenizer = None
-        if (model_dir / "tokenizer.json").is_file():    # before the child starts: a bad file fails here
-            from engine.text.tokenizer import load_tokenizer
-            self.tokenizer = load_tokenizer(model_dir)
-        self._tokenizer = self.tokenizer           # RequestHandle detokenizes with it, here
+        # before the child starts: a bad file fails here
+        self.vocab_size = load_config(model_dir).vocab_size
+        self.tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no CUDA state is inherited
         self._conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(target=_engine_main, args=(child_conn, str(model_dir), backend, llm_kwargs),
@@ -66,7 +66,7 @@ class RemoteLLM:
             self._stop_process(timeout=0)
             raise
         self.description, self.max_seqs = info["backend"], info["max_seqs"]
-        self._handles_cv = threading.Condition()   # what RequestHandles wait on (as in EngineLoop)
+        self.hub = HandleHub()                     # what RequestHandles wait on (as in EngineLoop)
         self._handles: dict[int, RequestHandle] = {}
         self._ids = itertools.count()
         self._sessions: dict = {}                  # session -> the small int that stands for it over the pipe
@@ -109,22 +109,15 @@ class RemoteLLM:
     def submit(self, prompt, params: SamplingParams | None = None, *, session=None) -> RequestHandle:
         """Queue a prompt (text or token ids). The engine process checks it: await handle.accepted()
         raises its ValueError (a 400 in the server) when it refuses the request."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be an engine.SamplingParams")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass token ids")
-            prompt = self.tokenizer.encode(prompt, add_special_tokens=True)
-        prompt_ids = [int(t) for t in prompt]
-        handle = RequestHandle(self, next(self._ids), prompt_ids, params, session)
-        handle._accepted = False
-        with self._handles_cv:
+        prompt_ids, params = prepare_prompt(prompt, params, self.tokenizer, self.vocab_size)
+        handle = RequestHandle(self.hub, next(self._ids), prompt_ids, params, session, cancel=self.cancel,
+                               tokenizer=self.tokenizer, accepted=False)
+        with self.hub.cond:
             self._handles[handle.request_id] = handle
         try:
             self._send(("submit", handle.request_id, prompt_ids, params, self._session_key(session)))
         except BaseException:
-            with self._handles_cv:
+            with self.hub.cond:
                 self._handles.pop(handle.request_id, None)
             raise
         return handle
@@ -134,12 +127,12 @@ class RemoteLLM:
         process gets a small int per session, the same one every time."""
         if session is None:
             return None
-        with self._handles_cv:
+        with self.hub.cond:
             return self._sessions.setdefault(session, len(self._sessions))
 
     def drop_session(self, session) -> None:
         """Free the KV pages kept for `session` in the engine process."""
-        with self._handles_cv:
+        with self.hub.cond:
             key = self._sessions.pop(session, None)
         if key is not None:
             self._send(("drop_session", key))
@@ -188,7 +181,6 @@ class RemoteLLM:
 
     # ---- the receiver thread: apply what the engine process sends to the handles --------------
     def _receive(self) -> None:
-        from engine.runtime.llm import RequestOutput
         try:
             while True:
                 kind, *body = self._conn.recv()
@@ -199,35 +191,25 @@ class RemoteLLM:
                             self._stats[ticket] = stats
                             self._stats_cv.notify_all()
                     continue
-                listeners = []
-                with self._handles_cv:
+                with self.hub.publish():
                     if kind == "accepted":      # (its events may have come first, even its end)
                         handle = self._handles.get(body[0])
                         if handle is not None:
-                            handle._accepted = True
-                            listeners += handle._listeners
+                            handle.accept()
                     elif kind == "refused":
                         request_id, message = body
-                        handle = self._handles.pop(request_id)
-                        handle._error = ValueError(message)
-                        listeners += handle._listeners
+                        self._handles.pop(request_id).fail(ValueError(message))
                     elif kind == "events":
                         for request_id, tokens, texts, end, output, error in body[0]:
                             handle = self._handles[request_id]
-                            handle._tokens += tokens
-                            if texts:
-                                handle._texts += texts
+                            handle.deliver(tokens, texts)
                             if end is not None:
-                                handle._end = end
                                 token_ids, text, reason = output
-                                handle._output = RequestOutput(handle.prompt_token_ids, token_ids, text, reason)
+                                handle.finish(end, RequestOutput(handle.prompt_token_ids, token_ids, text, reason))
                             if error is not None:
-                                handle._error = EngineProcessError(error)
+                                handle.fail(EngineProcessError(error))
                             if handle.done:
                                 del self._handles[request_id]
-                            listeners += handle._listeners
-                    self._handles_cv.notify_all()
-                wake_all(listeners)
         except (EOFError, OSError):
             pass
         finally:                       # the engine process ended: nothing more will come
@@ -237,14 +219,10 @@ class RemoteLLM:
         with self._stats_cv:
             self._closed = True
             self._stats_cv.notify_all()
-        listeners = []
-        with self._handles_cv:
+        with self.hub.publish():
             for handle in self._handles.values():
-                handle._error = error
-                listeners += handle._listeners
+                handle.fail(error)
             self._handles.clear()
-            self._handles_cv.notify_all()
-        wake_all(listeners)
 
 
 # ---- the engine side -----------------------------------------------------------------------------
@@ -269,7 +247,7 @@ class Forwarder:
 
     def __init__(self, llm, conn):
         self.llm, self.conn = llm, conn
-        self.cv = llm._engine._handles_cv          # notified by the engine loop after every step
+        self.cv = llm.handle_hub.cond              # notified by the engine loop after every step
         self.live: dict[int, tuple[RequestHandle, list[int]]] = {}   # parent's id -> (handle, [tokens sent])
         self.send_lock = threading.Lock()
         self.stopping = False
@@ -333,21 +311,18 @@ class Forwarder:
                     return
                 updates = []
                 for request_id, (handle, sent) in list(self.live.items()):
-                    n = len(handle._tokens)
-                    if n == sent[0] and not handle.done:
+                    tokens, texts, done = handle.handed_over(sent[0])
+                    if not tokens and not done:
                         continue
-                    tokens = handle._tokens[sent[0]:n]
-                    texts = handle._texts[sent[0]:n] if handle._texts is not None else None
-                    sent[0] = n
+                    sent[0] += len(tokens)
                     end = output = error = None
-                    if handle.done:
+                    if done:
                         del self.live[request_id]
-                        if handle._error is not None:
-                            error = f"{type(handle._error).__name__}: {handle._error}"
+                        final, out, failure = handle.ending()
+                        if failure is not None:
+                            error = f"{type(failure).__name__}: {failure}"
                         else:
-                            end = handle._end
-                            out = handle._output
-                            output = (out.token_ids, out.text, out.finish_reason)
+                            end, output = final, (out.token_ids, out.text, out.finish_reason)
                     updates.append((request_id, tokens, texts, end, output, error))
             if updates:
                 try:
@@ -356,5 +331,5 @@ class Forwarder:
                     return
 
     def _any_news(self) -> bool:
-        return any(len(h._tokens) > sent[0] or h.done for h, sent in self.live.values())
+        return any(h.done or h.handed_over(sent[0])[0] for h, sent in self.live.values())
 

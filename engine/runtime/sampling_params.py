@@ -1,26 +1,15 @@
-"""Sampling: turning a row of logits into the next token (chapter 08).
-
-`SamplingParams` is the user-facing knob set; `sample_ref` is the readable reference that the
-GPU kernel in kernels_cu/sampling.cu reproduces. Temperature 0 means greedy (argmax).
+"""How a request is decoded (chapter 08): `SamplingParams`, the user-facing knob set, and the
+seeded uniform draw of each (request, step). Temperature 0 means greedy (argmax). The draw itself,
+one token per row of logits, is sampling's device half: engine/ops/sampling.py.
 """
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
-
-def _is_int(v) -> bool:
-    """Python or NumPy integers; never bools (True is not a count) and never floats (3.0 included:
-    one rule for every float, rather than accepting the integral ones and refusing 3.5)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
-
+from engine.checks import is_int, is_real
 
 _INT32_MAX = 2**31 - 1
 _F32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
@@ -46,18 +35,18 @@ class SamplingParams:
 
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         # the samplers divide by temperature in float32: a positive value must stay positive and finite there
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) \
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) \
                 or not (self.temperature == 0 or _F32_NORMAL[0] <= self.temperature <= _F32_NORMAL[1]):
             raise ValueError(f"temperature must be 0 (greedy) or in [{_F32_NORMAL[0]:.3g}, {_F32_NORMAL[1]:.3g}], "
                              f"got {self.temperature!r}")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
             raise ValueError(f"top_k must be an integer in [0, {_INT32_MAX}] (0 disables it), got {self.top_k!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MASK64):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _MASK64):
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

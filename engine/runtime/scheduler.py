@@ -1,11 +1,12 @@
 """The scheduler: which requests run in the next forward pass, and where their KV cache lives.
 
-Metadata only: it never touches device memory or the model. The model runner (engine/runtime/llm.py) drives
-it in a loop, one batch in flight at a time:
+Metadata only: it never touches device memory or the model. The engine loop (engine/runtime/engine_loop.py)
+drives it with the model runner (engine/runtime/model_runner.py), one batch in flight at a time:
 
     sched = Scheduler(PageAllocator(num_pages=512), max_seqs=64, max_batch_tokens=4096,
                       max_context=2048, eos_token_ids={2}, chunked_prefill=True)
     rid = sched.submit(prompt_ids, params)          # params: .max_new_tokens, .ignore_eos
+    results = sched.pop_finished()                  # max_new_tokens == 0: finished at submit
     while sched.has_unfinished():
         batch = sched.schedule()                    # "prefill", "decode" or "mixed"; None only when idle
         try:
@@ -13,8 +14,8 @@ it in a loop, one batch in flight at a time:
         except Exception:
             sched.fail(batch.batch_id)              # exact previous state, as if never scheduled
             raise
-        sched.complete(batch.batch_id, sampled)
-        results += sched.pop_finished()
+        out = sched.complete(batch.batch_id, sampled)   # a StepOutput: what the step did to each request
+        results += out.finished
 
 Rows. A row feeds the next tokens of one request at positions start_pos... and attends to everything
 before them through its page_table (which covers positions < context_len = start_pos +
@@ -61,8 +62,9 @@ With a SlotAllocator a request's worst case is one slot, so both admissions beha
 Finishing. A sampled token finishes its request with reason "stop" if it is an eos token (unless
 params.ignore_eos); the eos token IS kept in the generated ids (as vLLM and HF do). Otherwise reason
 "length" once max_new_tokens tokens were generated or prompt + generated reaches max_context.
-Finished requests free their memory at once and wait in pop_finished(). A request with
-max_new_tokens == 0 is finished by submit() itself ("length", no tokens) and never scheduled.
+Finished requests free their memory at once; complete() returns their results in its StepOutput.
+A request with max_new_tokens == 0 is finished by submit() itself ("length", no tokens), never
+scheduled, and waits in pop_finished().
 
 Refusals (InvalidRequest, a ValueError, raised by submit before anything runs): empty prompt,
 negative or non-integer token ids, a prompt of max_context tokens or more (one position must be
@@ -263,6 +265,34 @@ class Result:
     prompt_ids: list[int]
     token_ids: list[int]    # generated tokens (an eos that stopped the request included)
     finish_reason: str      # "stop" | "length" | "cancelled"
+
+
+@dataclass(frozen=True)
+class RowProgress:
+    """Where one live request stands after a step in which it had a row."""
+    request_id: int
+    prefill: bool          # a prefill row (a prompt, a chunk of one, or a recompute), else decode
+    start_pos: int         # position of the row's first token
+    end_pos: int           # start_pos + tokens fed: with `samples` False, how far its prompt is computed
+    samples: bool          # the row reached the end of its tokens and sampled one
+    admitted: bool         # its first row since admission: positions before start_pos came from the
+                           # session's cached pages
+
+
+@dataclass
+class StepOutput:
+    """What one completed step did, for whoever hands results to callers (the engine loop).
+
+    Rows and tokens of requests that ended while the batch was in flight (async scheduling) are left
+    out: those requests have already been answered. `record` is the step's telemetry (the same
+    object appended to step_log); nothing needs to read it to serve the requests."""
+    batch_id: int
+    kind: str                        # "prefill" | "decode" | "mixed"
+    rows: list[RowProgress]          # one per live row, in row order
+    sampled: list[tuple[int, int]]   # (request id, token) of each live row that sampled, in row order
+    finished: list[Result]           # requests this step finished (eos or length), in row order
+    preempted: list[int]             # live requests preempted while this batch was formed
+    record: StepRecord
 
 
 @dataclass
@@ -499,9 +529,10 @@ class Scheduler:
                 self._group_decoding = self.policy == "static"
         return rows, preempted
 
-    def complete(self, batch_id: int, sampled_tokens) -> None:
+    def complete(self, batch_id: int, sampled_tokens) -> StepOutput:
         """Accept one sampled token per sampling row (batch.sampling_rows, in row order): commit the
-        step, finish requests."""
+        step, finish requests. Returns what the step did to each live request (its finished results
+        come back here, not through pop_finished())."""
         flight = self._flight(batch_id, oldest=True)
         tokens = [operator.index(t) for t in sampled_tokens]
         sampling = [row for row in flight.batch.rows if row.samples]
@@ -517,7 +548,8 @@ class Scheduler:
         if not self.async_scheduling:
             for row in flight.batch.rows:
                 self._requests[row.request_id].num_computed = row.context_len
-        finished, kept = [], []
+        finished: list[Result] = []
+        sampled: list[tuple[int, int]] = []
         for row, token in zip(sampling, tokens, strict=True):
             request = self._requests.get(row.request_id)
             if request is None:
@@ -525,22 +557,27 @@ class Scheduler:
             if self.async_scheduling:
                 request.pending -= 1
             request.generated.append(token)
-            kept.append(token)
+            sampled.append((row.request_id, token))
             reason = self._finish_reason(request, token)
             if reason is not None:
-                self._finished.append(self._retire(request, reason))
-                finished.append(request.request_id)
+                finished.append(self._retire(request, reason))
         self.allocator.commit()
         if discarded:
             self._drop_rows(entry, discarded)
         # async: a victim of this batch's preemptions may have been cancelled or aborted since
         entry["preempted"] = [rid for rid in entry["preempted"] if rid in self._requests]
         entry["step"] = self.num_steps             # its index in the log (an aborted batch leaves none)
-        entry["finished"] = finished
-        entry["sampled_tokens"] = kept
+        entry["finished"] = [result.request_id for result in finished]
+        entry["sampled_tokens"] = [token for _, token in sampled]
         self.num_steps += 1
         self.step_log.append(entry)
         self._logged_request_id = max(self._logged_request_id, flight.arrived_before)
+        admitted = set(entry["admitted"])
+        rows = [RowProgress(row.request_id, row.kind == "prefill", row.start_pos, row.context_len, row.samples,
+                            row.request_id in admitted)
+                for row in flight.batch.rows if row.request_id not in discarded]
+        return StepOutput(flight.batch.batch_id, flight.batch.kind, rows, sampled, finished,
+                          list(entry["preempted"]), entry)
 
     @staticmethod
     def _drop_rows(entry: StepRecord, discarded: set[int]) -> None:
@@ -638,7 +675,8 @@ class Scheduler:
             self.drop_session(session)
 
     def pop_finished(self) -> list[Result]:
-        """Results of the requests finished since the last call, in finishing order."""
+        """Results of the requests finished at submit (max_new_tokens == 0: nothing to generate) since
+        the last call. Requests finished by a step come back in that step's StepOutput."""
         finished, self._finished = self._finished, []
         return finished
 

@@ -1,9 +1,10 @@
-"""The step log: one record per forward pass, written by the scheduler, read by everything else.
+"""The step log: one record per forward pass, written by the scheduler, read for telemetry.
 
 `Scheduler.complete()` appends one `StepRecord` per step to `sched.step_log` (`llm.last_step_log`
-after `LLM.generate`); a failed step leaves no record. The runner may add `seconds` (wall time of the
-step). Records are plain dicts with the keys below, so a log can be saved as JSON and plotted later;
-the functions here turn a log into the numbers that chapters, plots, benchmarks and exercise
+after `LLM.generate`); a failed step leaves no record. The model runner adds `seconds` (wall time
+of the step). The engine loop serves requests from complete()'s typed StepOutput, never from
+these records: they are what plots, stats, benchmarks and exercise checkers read. Records are
+plain dicts with the keys below, so a log can be saved as JSON and plotted later; the functions here turn a log into the numbers that chapters, plots, benchmarks and exercise
 checkers show. Nothing here needs matplotlib (engine/exercises/plots.py draws from these).
 
     summarize(log)             steps, tokens, idle slots, preemptions, seconds: one dict per run
@@ -60,7 +61,9 @@ class _StepRecordRequired(TypedDict):
 
 
 class StepRecord(_StepRecordRequired, total=False):
-    seconds: float              # wall time of the step, added by the runner (engine.LLM)
+    seconds: float              # wall time of the step, added by the model runner
+    discarded: list[int]        # async scheduling: requests that ended while the batch was in flight
+                                # (their rows ran; the per-request lists above leave them out)
 
 
 def x_edges(step_log, x: str) -> np.ndarray:

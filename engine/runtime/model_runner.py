@@ -1,0 +1,158 @@
+"""The model runner (chapters 09-14): the device side of one step.
+
+It owns the model, the KV cache memory and the decode CUDA graphs; the scheduler owns only metadata.
+A step is three calls, which the engine loop (engine/runtime/engine_loop.py) composes either one
+after the other (synchronous) or overlapped with the next step's launch (async scheduling):
+
+    launched = runner.launch(batch, seeds)     queue forward + sampling on the device (CPU: run them)
+    tokens = launched.tokens()                 wait for the sampled ids (the only host sync of a step)
+    out = runner.complete(sched, launched, tokens)   hand them to the scheduler: a StepOutput
+
+A decode-only batch replays the CUDA graph of its size bucket (engine/runtime/cuda_graphs.py);
+anything else, or a step while a learner's stage is plugged in, runs `Model.forward` eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.model.forward_pass import ForwardBatch, Model
+from engine.model.kv_cache import KVCache, kv_bytes_per_token
+from engine.ops.sampling import SampledTokens, start_sampling
+from engine.runtime.cuda_graphs import DecodeGraphs
+from engine.runtime.engine_config import EngineConfig
+from engine.runtime.sampling_params import step_uniforms
+from engine.runtime.scheduler import Batch, Row, Scheduler, StepOutput
+
+# What the KV pool may take by default: half of the GPU memory free after the weights are loaded
+# (the rest is for activations, the logits and cuBLAS workspaces), 1 GiB of host memory on the CPU.
+GPU_KV_FRACTION = 0.5
+CPU_KV_MIB = 1024.0
+
+
+def default_kv_mib(wanted_mib: float, free_gpu_bytes: int | None) -> float:
+    """The KV pool's default size: what every seat at full context would take (`wanted_mib`), capped
+    by GPU_KV_FRACTION of the free GPU memory (free_gpu_bytes), or by CPU_KV_MIB on the CPU."""
+    cap = CPU_KV_MIB if free_gpu_bytes is None else GPU_KV_FRACTION * free_gpu_bytes / 2**20
+    return min(wanted_mib, cap)
+
+
+class RowLabels:
+    """What to call each row of a batch in an error ("request 3, step 7"), formatted only when a
+    row's logits are not finite (not every step for every row)."""
+
+    def __init__(self, rows: list[Row]):
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, r) -> str:
+        row = self._rows[r]
+        return f"request {row.request_id}, step {row.num_generated}"
+
+
+@dataclass
+class LaunchedStep:
+    """One batch queued on the device; tokens() waits for what its sampling rows sampled."""
+    batch: Batch
+    sampling: list[Row]                 # the rows that sample, in row order
+    sampled: SampledTokens | None       # None when no row samples (a step of prompt chunks only)
+    started: float                      # time.perf_counter() at launch
+    launched_at: float                  # time.monotonic() at launch (the clock of handles' timestamps)
+    done: object = None                 # GPU, no row samples: an event after the step (tokens() waits on it)
+
+    def tokens(self, is_live=None) -> list[int]:
+        """The sampled ids, once the step has run. is_live(request_id): only those rows' logits must be
+        finite (async scheduling: the others belong to requests that ended meanwhile)."""
+        if self.sampled is None:
+            if self.done is not None:
+                self.done.synchronize()       # the host never runs more than one step ahead
+            return []
+        checked = None if is_live is None else [is_live(row.request_id) for row in self.sampling]
+        return self.sampled.wait(RowLabels(self.sampling), checked).tolist()
+
+
+class ModelRunner:
+    """The model, its KV cache and its decode graphs, driven one batch at a time."""
+
+    def __init__(self, model: Model, engine_config: EngineConfig):
+        self.model, self.backend, self.config = model, model.backend, model.config
+        self.cache, self.engine_config = self._allocate_cache(engine_config)
+        # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
+        # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
+        self.decode_graphs = DecodeGraphs(model, self.cache, self.engine_config.max_seqs,
+                                          enabled=engine_config.cuda_graphs)
+        self._last_completion = 0.0
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _allocate_cache(self, ec: EngineConfig) -> tuple[KVCache, EngineConfig]:
+        """The KV pool, and the settings it leaves (a contiguous cache may seat fewer sequences)."""
+        per_token = kv_bytes_per_token(self.config, self.backend)
+        if ec.kv_cache_mib is not None:
+            mib = ec.kv_cache_mib
+        else:   # enough for every sequence at full context, capped by what the device can spare
+            free = self.backend.xp.cuda.runtime.memGetInfo()[0] if self.backend.is_gpu else None
+            mib = default_kv_mib(ec.max_seqs * ec.max_context * per_token / 2**20, free)
+        if ec.kv_cache == "contiguous":
+            slots = int(mib * 2**20 // (per_token * ec.max_context))
+            if slots < 1:
+                raise ValueError(f"a KV cache of {mib:.0f} MiB cannot hold one slot of {ec.max_context} tokens")
+            ec = dataclasses.replace(ec, max_seqs=min(ec.max_seqs, slots))
+            return KVCache.contiguous(self.config, ec.max_seqs, ec.max_context, self.backend), ec
+        return KVCache.paged(self.config, mib, ec.page_size, self.backend), ec
+
+    # ---- one step ----------------------------------------------------------------------------
+    def launch(self, batch: Batch, seeds: dict[int, int], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the batch's forward pass and sampling on the device (on the CPU: run them).
+
+        Async scheduling: the batch's PENDING tokens are what `previous` (the batch still in flight)
+        samples; they are gathered from its device ids, so the host never waits for them."""
+        t0 = time.perf_counter()
+        sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
+        # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
+        logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
+        fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.page_tables,
+                          batch.slot_mapping, logits_rows=logits_rows, feedback=self._feedback(batch, previous))
+        logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
+        if logits is None:
+            logits = self.model.forward(fb, self.cache)
+        sampled = done = None
+        if sampling:
+            uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
+                                     [row.num_generated for row in sampling])
+            sampled = start_sampling(logits, [row.params for row in sampling], uniforms)
+        elif self.backend.is_gpu:
+            done = self.backend.xp.cuda.Event(disable_timing=True)
+            done.record()
+        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done)
+
+    def _feedback(self, batch: Batch, previous: LaunchedStep | None):
+        """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that
+        `previous` sampled for their requests)."""
+        pending = batch.pending_indices
+        if not pending.size:
+            return None
+        if previous is None or previous.sampled is None:
+            raise RuntimeError("a batch with pending tokens needs the samples of the batch in flight")
+        where = {row.request_id: i for i, row in enumerate(previous.sampling)}
+        row_of_token = np.repeat(np.arange(len(batch.rows), dtype=np.int32), batch.lengths)[pending]
+        src = np.fromiter((where[batch.rows[r].request_id] for r in row_of_token), dtype=np.int32,
+                          count=pending.size)
+        xp, ids = self.backend.xp, previous.sampled.ids
+        fed = ids[xp.asarray(src) if self.backend.is_gpu else src]
+        # a row whose logits were not finite may have sampled any id; its request is failed when step n
+        # completes, but its row here still runs: keep the id inside the embedding table
+        return pending, xp.clip(fed, 0, self.config.vocab_size - 1)
+
+    def complete(self, sched: Scheduler, launched: LaunchedStep, tokens: list[int]) -> StepOutput:
+        """Hand the sampled tokens to the scheduler. A step's `seconds` run from its launch, or from the
+        previous completion when steps overlap, so that the seconds of a log add up to its wall time."""
+        out = sched.complete(launched.batch.batch_id, tokens)
+        now = time.perf_counter()
+        out.record["seconds"] = now - max(launched.started, self._last_completion)
+        self._last_completion = now
+        return out
