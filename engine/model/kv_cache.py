@@ -10,17 +10,17 @@ it fits in the memory there is (a typo in kv_cache_mib is a ValueError, not a ma
 from __future__ import annotations
 
 import math
-import numbers
 import os
 
 import numpy as np
 
 from engine.backend import Backend, resolve_backend
+from engine.checks import is_int, is_real
 from engine.formats.config import LlamaConfig
 
 
 def _count(name: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ValueError(f"KV cache {name} must be an integer > 0, got {value!r}")
     return int(value)
 
@@ -67,8 +67,7 @@ class KVCache:
     def paged(cls, config: LlamaConfig, kv_cache_mib: float, page_size: int = 16, backend="numpy") -> KVCache:
         """As many pages of page_size tokens as fit in kv_cache_mib (bf16 on the GPU, fp32 on CPU)."""
         b = resolve_backend(backend)
-        if not isinstance(kv_cache_mib, numbers.Real) or isinstance(kv_cache_mib, (bool, np.bool_)) \
-                or not math.isfinite(kv_cache_mib) or kv_cache_mib <= 0:
+        if not is_real(kv_cache_mib) or not math.isfinite(kv_cache_mib) or kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be a finite number > 0, got {kv_cache_mib!r}")
         page_size = _count("page_size", page_size)
         per_page = kv_bytes_per_token(config, b) * page_size

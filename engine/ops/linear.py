@@ -15,16 +15,15 @@ decode kernels are launch- and tail-bound, and loses on the large ones (gate_up 
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from engine.backend import is_device_array, matmul
+from engine.checks import env_switch
 from engine.ops import gemv as _gemv
 
 ENV_SWITCH = "ENGINE_GEMV"      # "0" sends every projection to cuBLAS
 GEMV_MAX_WEIGHT_ELEMENTS = 24 * 2**20   # larger weights stream faster through cuBLAS (measured above)
-USE_GEMV = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+USE_GEMV = env_switch(ENV_SWITCH)
 
 
 def linear_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from engine.backend import is_device_array, load_kernel
+from engine.checks import is_int
 from engine.formats.config import LlamaConfig
 from engine.ops.rmsnorm import rmsnorm_ref
 from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
@@ -46,7 +47,7 @@ def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
 
 def rope_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: [max_positions, D/2] float32, angle = position * inv_freq (float32 product)."""
-    if isinstance(max_positions, bool) or not isinstance(max_positions, (int, np.integer)) or max_positions < 1:
+    if not is_int(max_positions) or max_positions < 1:
         raise ValueError(f"max_positions must be an integer >= 1, got {max_positions!r}")
     positions = np.arange(max_positions, dtype=np.float32)[:, None]     # [P, 1]
     angles = positions * rope_inv_freq(config)[None, :]                 # [P, D/2]

@@ -32,11 +32,11 @@ off from the start.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
 
+from engine.checks import env_switch
 from engine.ops.embedding import check_ids
 from engine.plugins import any_active
 
@@ -45,7 +45,7 @@ ENV_SWITCH = "ENGINE_CUDA_GRAPHS"      # "0" turns the graphs off
 
 
 def graphs_enabled_by_env() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_switch(ENV_SWITCH)
 
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:

@@ -111,13 +111,13 @@ meanwhile) already has a row in N+1: that row still runs, and complete() discard
 from __future__ import annotations
 
 import itertools
-import numbers
 import operator
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.checks import is_int
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.step_log import StepRecord
 
@@ -468,7 +468,7 @@ class Scheduler:
             raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of "
                                  f"{self.max_context} with room for one new token")
         max_new = getattr(params, "max_new_tokens", None)
-        if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
+        if not is_int(max_new) or max_new < 0:
             raise InvalidRequest(f"max_new_tokens must be an int >= 0, got {max_new!r}")
         max_new = int(max_new)
         if max_new == 0:

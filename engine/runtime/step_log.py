@@ -4,7 +4,8 @@
 after `LLM.generate`); a failed step leaves no record. The model runner adds `seconds` (wall time
 of the step). The engine loop serves requests from complete()'s typed StepOutput, never from
 these records: they are what plots, stats, benchmarks and exercise checkers read. Records are
-plain dicts with the keys below, so a log can be saved as JSON and plotted later; the functions here turn a log into the numbers that chapters, plots, benchmarks and exercise
+plain dicts with the keys below, so a log can be saved as JSON and plotted later; the functions here
+turn a log into the numbers that chapters, plots, benchmarks and exercise
 checkers show. Nothing here needs matplotlib (engine/exercises/plots.py draws from these).
 
     summarize(log)             steps, tokens, idle slots, preemptions, seconds: one dict per run
