@@ -6,7 +6,7 @@
     with engine.use_stage("rmsnorm", cuda_source=src, kernel="rmsnorm"):   # CUDA C, GPU backend
         llm.generate(prompts)                                     # your kernel, launched in place of ours
 
-Every op in engine/ops/*.py (and engine/runtime/sampling_params.py) looks its stage up in `OVERRIDES` (one dict
+Every op in engine/ops/*.py (sampling's device half included) looks its stage up in `OVERRIDES` (one dict
 lookup per call) and, when it finds an override, runs it instead of the engine's implementation.
 So the override reaches everything built on the ops: `Model.logits`, `engine.LLM.generate`, the chat.
 
@@ -126,11 +126,12 @@ class Override:
                                   f"(declare it extern \"C\" __global__): {e}") from None
         return kernel
 
-    def require_function(self) -> None:
-        """Called by an op on the NumPy backend: a CUDA override cannot run there."""
+    def require_function(self) -> Callable:
+        """Called by an op on the NumPy backend: the learner's function (a CUDA override cannot run there)."""
         if self.fn is None:
             raise PluginError(f"the CUDA override of {self.stage!r} runs on the cupy backend; this model runs "
                               f"on NumPy (load it with backend='cupy', or override with a NumPy function)")
+        return self.fn
 
 
 # stage name -> the active override. Read by every op on every call: keep it a plain dict.
@@ -227,7 +228,7 @@ def to_backend(out, like, bf16: bool):
 
 def run_function(override: Override, shape: tuple, bf16_on_gpu: bool, like, *args):
     """Call the learner's function on host copies of args; return its checked result on the backend."""
-    out = checked_result(override.stage, override.fn(*(to_host(a) for a in args)), shape)
+    out = checked_result(override.stage, override.require_function()(*(to_host(a) for a in args)), shape)
     return to_backend(out, like, bf16_on_gpu)
 
 

@@ -118,8 +118,7 @@ def start_sampling(logits, params: Sequence[RowKnobs], uniforms) -> SampledToken
     if (plug is not None and plug.fn is not None) or not is_device_array(logits):
         draw = sample_ref
         if plug is not None:
-            plug.require_function()
-            draw = plug.fn
+            draw = plug.require_function()
         rows = to_host(logits)
         finite = np.isfinite(rows).all(axis=1)
         return SampledTokens(np.array([int(draw(rows[r], p.temperature, p.top_k, p.top_p, u)) if finite[r] else 0
@@ -152,7 +151,7 @@ def start_sampling(logits, params: Sequence[RowKnobs], uniforms) -> SampledToken
 def sample(logits, params: Sequence[RowKnobs], uniforms, labels=None) -> np.ndarray:
     """One token per row of logits [R, V] -> int32 [R] on the host: start_sampling(...).wait(labels).
 
-    labels: R row names for the error below (any sequence: llm.RowLabels formats them only when one
+    labels: R row names for the error below (any sequence: model_runner.RowLabels formats them only when one
     is needed). A row with NaN or inf raises NonFiniteLogitsError (naming it by `labels`): greedy
     would pick an arbitrary id and sampling the last one.
     """

@@ -1,6 +1,8 @@
-"""Decode steps of the serving runner as CUDA graphs, one per batch-size bucket (vLLM style).
+"""Decode steps as CUDA graphs, one per batch-size bucket (vLLM style; chapters 12 and 14).
 
-engine/runtime/cuda_graphs.py replays the decode step of one chat. A server decodes a batch whose size changes
+A decode step of a 1B model launches ~190 small kernels and cuBLAS calls; launched one by one from
+Python, their launch overhead costs more than the GPU work itself. A CUDA graph records the whole
+sequence once and a replay submits it with one call. A server decodes a batch whose size changes
 every step, so one graph per *bucket* is captured (1, 2, 4, ..., 256 rows, the last one max_seqs):
 a decode batch of R rows replays the graph of the smallest bucket >= R, its R real rows first and
 the rest padding. Everything a graph reads sits in fixed device buffers that are refilled before
@@ -15,7 +17,8 @@ the device (async scheduling's feedback) gets it written into the device buffer 
 A padding row feeds token 0 at position 0 with slot -1 (kv_write writes nothing for a negative
 slot) and a page table of page 0 (it reads one key there, harmlessly); its logits are never read.
 
-What keeps a captured graph valid (see engine/runtime/cuda_graphs.py for the batch-1 story):
+The model runner replays the bucket of each decode batch; chapter 08's ChatSession replays the
+one-row bucket over its contiguous slot. What keeps a captured graph valid:
   * the attention kernel's split count is fixed at capture: `longest` = max_context, so each bucket
     gets the split that suits its row count at the longest context (slices past a row's length are
     empty);
