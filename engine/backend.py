@@ -23,7 +23,23 @@ from pathlib import Path
 
 import numpy as np
 
-KERNELS_DIR = Path(os.environ.get("ENGINE_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels_cu"))
+
+def _find_kernels_dir() -> Path:
+    """The CUDA sources: $ENGINE_KERNELS_DIR when set; else engine/kernels_cu beside this file (an
+    installed package: pyproject.toml maps the repository's top-level kernels_cu/ there); else the
+    checkout's top-level kernels_cu/ (an editable install, or the checkout on sys.path)."""
+    if os.environ.get("ENGINE_KERNELS_DIR"):
+        return Path(os.environ["ENGINE_KERNELS_DIR"])
+    package = Path(__file__).resolve().parent
+    installed, checkout = package / "kernels_cu", package.parent / "kernels_cu"
+    for place in (installed, checkout):
+        if place.is_dir():
+            return place
+    raise FileNotFoundError(f"the CUDA sources (kernels_cu/) are in neither {installed} (an installed package) nor "
+                            f"{checkout} (a checkout): reinstall the package, or set ENGINE_KERNELS_DIR to the folder")
+
+
+KERNELS_DIR = _find_kernels_dir()
 BACKENDS = ("auto", "numpy", "cupy")
 
 
