@@ -283,13 +283,22 @@ def llm_kv_bytes_per_token():
     return load_config(gen_model_dir()).kv_bytes_per_token(4)
 
 
-def test_stepping_by_hand_is_refused_while_the_loop_serves(llm):
+def test_stepping_by_hand_is_refused_while_the_loop_serves(llm, monkeypatch):
+    gate, forward = threading.Event(), llm.model.forward
+
+    def held_forward(*args, **kwargs):            # the loop stays inside a step until the gate opens
+        assert gate.wait(timeout=60)
+        return forward(*args, **kwargs)
     handle = llm.submit([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
     next(handle.stream())
+    monkeypatch.setattr(llm.model, "forward", held_forward)
     sched = llm.new_scheduler()
     sched.submit([4, 5], GREEDY)
-    with pytest.raises(RuntimeError, match="engine loop is serving"):
-        llm.step(sched, {0: 0})
+    try:
+        with pytest.raises(RuntimeError, match="engine loop is serving"):
+            llm.step(sched, {0: 0})
+    finally:
+        gate.set()
     handle.result()
     assert llm.step(sched, {0: 0})                 # idle engine: the lesson's hand-driven loop works
 

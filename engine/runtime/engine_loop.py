@@ -283,10 +283,13 @@ class EngineLoop:
     def step_by_hand(self, runner: ModelRunner, sched: Scheduler, seeds: dict[int, int]) -> StepOutput | None:
         """LLM.step: one synchronous step of a scheduler that chapters 10-11 drive themselves, while the
         loop serves nothing (both would write the same cache). None when there was nothing to run."""
+        busy = RuntimeError("the engine loop is serving requests: wait for them before stepping by hand")
+        if sched is not self.scheduler and self._has_work:   # refused at once, not after the loop's step
+            raise busy
         with self.lock:
             if sched is not self.scheduler:
                 if self.scheduler.has_unfinished():
-                    raise RuntimeError("the engine loop is serving requests: wait for them before stepping by hand")
+                    raise busy
                 self.scheduler.drop_all_sessions()     # their cached pages are about to be overwritten
                 self.manual = weakref.ref(sched)
             try:
