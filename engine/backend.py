@@ -18,6 +18,7 @@ import functools
 import os
 import re
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,9 +99,9 @@ def cupy_unavailable_reason() -> str | None:
 class Backend:
     """Which array library runs the model: `xp` is numpy or cupy."""
 
-    name: str            # "numpy" | "cupy"
-    xp: object           # the array module
-    reason: str | None   # why CuPy is not used (None when it is)
+    name: str             # "numpy" | "cupy"
+    xp: types.ModuleType  # the array module
+    reason: str | None    # why CuPy is not used (None when it is)
 
     @property
     def is_gpu(self) -> bool:

@@ -33,6 +33,7 @@ def warm_up(model_dir, backend) -> dict:
     from engine.runtime.sampling_params import SamplingParams
     t0 = time.perf_counter()
     llm = LLM(model_dir, backend=backend, max_seqs=2, kv_cache_mib=64)
+    assert llm.tokenizer is not None                 # the default model comes with its tokenizer.json
     messages = [{"role": "user", "content": WARM_PROMPT}]
     prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     greedy, sampled = llm.generate([prompt, prompt], [SamplingParams(max_new_tokens=12),

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class HFPeer:
         pad = 0
         x = torch.tensor([[pad] * (width - len(p)) + p for p in batch_ids], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_ids], device=self.device)
-        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
         if static_cache:
             kw["cache_implementation"] = "static"
         with torch.no_grad():
@@ -299,7 +300,7 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
 
 def run_profile(args, setup, model, ceiling_gbps) -> None:
     from engine.bench.step_profile import format_table, profile_decode, profile_records
-    everything = {"setup": {**setup, "copy_gbps": round(ceiling_gbps, 1)}, "steps": []}
+    everything: dict[str, Any] = {"setup": {**setup, "copy_gbps": round(ceiling_gbps, 1)}, "steps": []}
     for rows in args.profile_batches:
         result = profile_decode(model, rows, args.profile_context)
         records = profile_records(result, ceiling_gbps)

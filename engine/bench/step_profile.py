@@ -157,6 +157,7 @@ def profile_decode(model, rows: int, context: int, page_size: int = 16, reps: in
     from engine.model.kv_cache import KVCache
     cfg = model.config
     fb = decode_batch_for(rows, context, page_size, cfg.vocab_size)
+    assert fb.page_tables is not None                         # a decode batch: every row has its pages
     cache = KVCache(cfg, rows * fb.page_tables.shape[1], page_size, model.backend)
     for _ in range(2):                                        # compile kernels, let cuBLAS choose
         model.forward(fb, cache)

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if args.server is not None:
             from engine.chat.remote import RemoteChat
-            chat = RemoteChat(args.server, params, args.system, model=args.model)
+            chat: RemoteChat | Chat = RemoteChat(args.server, params, args.system, model=args.model)
         else:
             if args.model is None:
                 from engine.model.default_model import ensure_default_model

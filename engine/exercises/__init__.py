@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 Hint = tuple[str, Callable]   # (what the mistake is, a function computing the mistaken answer from the args)
 
 
-def call_learner(title: str, call: str, fn, *args) -> tuple[bool, object]:
+def call_learner(title: str, call: str, fn, *args) -> tuple[bool, Any]:
     """Run the learner's function: (True, its result), or (False, None) after printing why not
     ('[ ]' while it still raises NotImplementedError, '[x]' with the exception it raised)."""
     try:
@@ -47,10 +48,10 @@ def _safe(test: Callable, *args) -> bool:
         return False
 
 
-def check_cases(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]], *,
-                same: Callable[[object, object], bool] = _equal, hints: Sequence[Hint] = (),
+def check_cases(title: str, fn: Callable, cases: Iterable[tuple[tuple, Any]], *,
+                same: Callable[[Any, Any], bool] = _equal, hints: Sequence[Hint] = (),
                 label: Callable[[Callable, tuple], str] = default_label,
-                explain: Callable[[object, object], str] | None = None, copy_args: bool = False,
+                explain: Callable[[Any, Any], str | None] | None = None, copy_args: bool = False,
                 passed: str | None = None) -> bool:
     """The checker loop: call fn(*args) for each (args, expected); print one verdict line; True when
     every case ran and passed.
@@ -58,7 +59,7 @@ def check_cases(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
     same(got, want)    is the answer right (exceptions count as no)
     hints              (text, mistake(*args)): a wrong answer equal to a mistake's answer names it
     label(fn, args)    how the failing call is shown
-    explain(got, want) why a wrong answer is wrong (default: 'returned X, expected Y')
+    explain(got, want) why a wrong answer is wrong (default, or when it returns None: 'returned X, expected Y')
     copy_args          give fn (and each mistake) a deep copy, so in-place edits cannot leak between them
     passed             the end of the [OK] line (default: 'all N cases pass')
     """
@@ -69,7 +70,7 @@ def check_cases(title: str, fn: Callable, cases: Iterable[tuple[tuple, object]],
         if not ok:
             return False
         if not _safe(same, got, want):
-            reason = explain(got, want) if explain else f"returned {got!r}, expected {want!r}"
+            reason = (explain(got, want) if explain else None) or f"returned {got!r}, expected {want!r}"
             for text, mistake in hints:
                 try:
                     wrong = mistake(*(copy.deepcopy(args) if copy_args else args))

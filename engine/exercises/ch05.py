@@ -39,7 +39,8 @@ LLAMA3_CASES = ((64, 500000.0, 32.0, 1.0, 4.0, 8192),      # Llama 3.2 1B/3B
 def check_llama3_scale_frequencies(fn: Callable) -> bool:
     """fn(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) -> scaled inv_freq."""
     cases = []
-    for D, theta, *scaling in LLAMA3_CASES:
+    for D, theta, factor, low, high, original in LLAMA3_CASES:
+        scaling = (factor, low, high, original)
         rs = RopeScaling(*scaling)
         inv_freq = rope_inv_freq(_config(D, theta))
         cases.append(((inv_freq, *scaling), rope_inv_freq(_config(D, theta, rs))))

@@ -16,6 +16,7 @@ from engine.model.random_model import PRESETS
 from engine.runtime.kv_allocator import KVAllocator, SlotAllocator
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.step_log import StepRecord
 
 STAND_IN_TOKEN = 7
 
@@ -23,7 +24,7 @@ STAND_IN_TOKEN = 7
 def run_scheduler(prompt_lens: Sequence[int], max_new: Sequence[int], *, policy: str, max_seqs: int,
                   max_batch_tokens: int | None = None, arrivals: Sequence[int] | None = None,
                   allocator: KVAllocator | None = None, admission: str = "conservative",
-                  scheduler_cls: type[Scheduler] = Scheduler) -> list[dict]:
+                  scheduler_cls: type[Scheduler] = Scheduler) -> list[StepRecord]:
     """The step log of a workload. Request i gets id i and is submitted once arrivals[i] steps have
     run (non-decreasing; default: all before the first step), or earlier when the engine would
     otherwise sit idle. Without an allocator: max_seqs contiguous slots of a context just long

@@ -5,6 +5,7 @@ simulator, read latencies off a step log, and write the scheduler's decisions yo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,8 +23,8 @@ from engine.runtime.step_log import request_latencies
 
 # The workload of the by-hand exercise: request i has prompt_lens[i] prompt tokens, generates
 # max_new[i] tokens (eos never stops it) and is submitted after arrivals[i] steps have run.
-HAND_WORKLOAD = dict(prompt_lens=[3, 2, 6, 1, 4], max_new=[3, 1, 2, 2, 2], arrivals=[0, 0, 0, 0, 3],
-                     max_seqs=3, max_batch_tokens=8)
+HAND_WORKLOAD: dict[str, Any] = dict(prompt_lens=[3, 2, 6, 1, 4], max_new=[3, 1, 2, 2, 2], arrivals=[0, 0, 0, 0, 3],
+                                     max_seqs=3, max_batch_tokens=8)
 
 
 def timeline_of(step_log) -> list[tuple[str, list[int]]]:

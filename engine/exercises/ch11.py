@@ -338,7 +338,8 @@ def _allocator_scripts(seed: int):
     yield 6, 4, [("reserve", 0, 5), ("reserve", 1, 3), ("commit",), ("reserve", 0, 9), ("free", 1),
                  ("reserve", 2, 12), ("rollback",), ("reserve", 0, 30), ("free", 7), ("free", 0), ("commit",)]
     for _ in range(40):
-        ops, lengths = [], {}
+        ops: list[tuple] = []              # (name, *arguments)
+        lengths: dict[int, int] = {}        # sequence -> tokens reserved so far
         for _ in range(int(rng.integers(5, 30))):
             kind = rng.choice(["reserve", "reserve", "reserve", "free", "commit", "rollback"])
             seq = int(rng.integers(0, 5))

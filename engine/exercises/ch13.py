@@ -144,11 +144,13 @@ def chunk_schedule_ref(prompt_len: int, num_decoding: int, max_batch_tokens: int
         sched.submit([1], SamplingParams(max_new_tokens=steps, ignore_eos=True))
     if num_decoding:
         batch = sched.schedule()                      # their prefill: one token each
+        assert batch is not None                      # (None only when nothing is left to run)
         sched.complete(batch.batch_id, [1] * len(batch.sampling_rows))
     long_id = sched.submit([1] * prompt_len, SamplingParams(max_new_tokens=1, ignore_eos=True))
     chunks = []
     while sched.has_unfinished() and long_id in sched.snapshot()["waiting"] + sched.snapshot()["running"]:
         batch = sched.schedule()
+        assert batch is not None
         chunks += [len(row.token_ids) for row in batch.rows if row.request_id == long_id]
         sched.complete(batch.batch_id, [1] * len(batch.sampling_rows))
     return chunks

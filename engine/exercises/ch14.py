@@ -65,7 +65,7 @@ def bottleneck_ref(timeline: list) -> tuple[str, float]:
         if i:
             totals[IDLE] = totals.get(IDLE, 0.0) + max(0.0, start - timeline[i - 1][2])
     span = timeline[-1][2] - timeline[0][1]
-    label = max(totals, key=totals.get)
+    label = max(totals, key=lambda k: totals[k])
     return label, totals[label] / span
 
 
@@ -87,11 +87,11 @@ def check_bottleneck(fn: Callable) -> bool:
                             ("linear gate_up", 0.02), ("swiglu", 0.002), ("linear down", 0.012)])
     long_ctx = _layers(16, [("linear qkv", 0.01), ("paged_attention", 0.09), ("linear o", 0.008),
                             ("linear gate_up", 0.03), ("linear down", 0.02)])
-    cases = [((_timeline(graph_b1, 0.0),), None),            # a replayed graph: back to back
-             ((_timeline(graph_b1, 0.02),), None),           # launched from Python: gaps of 20 us
-             ((_timeline(long_ctx, 0.001),), None),          # batch 64 x 4k: attention dominates
-             (([["a", 0.0, 1.0], ["b", 1.5, 2.0], ["a", 2.0, 2.25]],), None)]
-    cases = [(args, bottleneck_ref(*args)) for args, _ in cases]
+    timelines = [_timeline(graph_b1, 0.0),               # a replayed graph: back to back
+                 _timeline(graph_b1, 0.02),              # launched from Python: gaps of 20 us
+                 _timeline(long_ctx, 0.001),             # batch 64 x 4k: attention dominates
+                 [["a", 0.0, 1.0], ["b", 1.5, 2.0], ["a", 2.0, 2.25]]]
+    cases = [((timeline,), bottleneck_ref(timeline)) for timeline in timelines]
 
     def same(got, want):
         return got[0] == want[0] and math.isclose(float(got[1]), want[1], rel_tol=1e-6)

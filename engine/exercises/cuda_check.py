@@ -19,6 +19,7 @@ printed on a GPU (a recorded, dated run: engine/exercises/recorded/) is shown in
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,7 +301,7 @@ def _report_speed(exercise: Exercise, text: str, shown: str) -> None:
     args = case.args(dev)
     figures = {}
     for who, kernel in (("yours", yours), ("engine", engine)):
-        ms = time_ms(lambda k=kernel: k(case.grid, (case.block,), args))
+        ms = time_ms(functools.partial(kernel, case.grid, (case.block,), args))
         figures[who] = (ms, case.nbytes / (ms * 1e-3) / 1e9)
     (ms_y, gb_y), (ms_e, gb_e) = figures["yours"], figures["engine"]
     print(f"     speed on {case.label}: yours {ms_y * 1e3:.1f} us = {gb_y:,.0f} GB/s, the engine's kernels_cu/"

@@ -22,6 +22,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from engine.exercises import ch03, ch04, ch05, ch07, ch11
 from engine.exercises.cuda_check import SOLUTIONS_DIR
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         checks[name] = text
         if verdict is not True:
             failed.append(name)
-    run = {"device": gpu_name(), "date": datetime.date.today().isoformat(), "checks": checks}
+    run: dict[str, Any] = {"device": gpu_name(), "date": datetime.date.today().isoformat(), "checks": checks}
     if not args.skip_ladder:
         from engine.bench.kernels import Bench
         bench = Bench(quick=False)

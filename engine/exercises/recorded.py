@@ -59,7 +59,7 @@ def show_ladder(stage: str, path: Path | None = None) -> None:
     """Print the recorded kernel ladder of one stage: each version's time, GB/s and share of copy bandwidth."""
     run = load(path)
     rows = ladder_rows(stage, path)
-    if not rows:
+    if run is None or not rows:
         print(f"(no recorded kernel ladder for {stage!r} in {(path or RECORDED).name} yet: {HOW})")
         return
     print(f"Kernel ladder for {stage}, recorded on {_banner(run)} "
@@ -83,8 +83,8 @@ def show_recorded_cell(key: str, reason: str | None = None, path: Path | None = 
         reason = cupy_unavailable_reason() or "the NumPy backend was chosen"
     reason = reason.rstrip(".")
     path = path or RECORDED_CELLS
-    run = load(path)
-    cell = (run or {}).get("cells", {}).get(key)
+    run = load(path) or {}
+    cell = run.get("cells", {}).get(key)
     if cell is None or not cell.get("output"):
         print(f"GPU cell skipped here: {reason}. No recorded GPU output for {key!r} in {path.name} yet: {HOW_CELLS}.")
         return

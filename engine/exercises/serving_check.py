@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from engine.runtime.sampling_params import SamplingParams
 
@@ -16,7 +18,8 @@ STEP_FIELDS = ("kind", "request_ids", "admitted", "preempted", "recomputed_token
                "waiting", "used_pages", "free_pages", "tokens")
 
 
-def compare_step_logs(title: str, got: list[dict], want: list[dict], context: str = "") -> bool:
+def compare_step_logs(title: str, got: Sequence[Mapping[str, Any]], want: Sequence[Mapping[str, Any]],
+                      context: str = "") -> bool:
     """Print the first step (and field) where `got` differs from `want` and return False, else True."""
     for step, (mine, real) in enumerate(zip(got, want, strict=False)):
         for name in STEP_FIELDS:

@@ -293,7 +293,7 @@ def convert_tensors(tensors: list[TensorInfo], config: dict, progress: Progress)
         if t.shape != shape:
             raise GGUFConversionError(f"{t.name} has shape {list(t.shape)}, config says {list(shape)}")
 
-    tensors = {}
+    converted: dict[str, np.ndarray] = {}
     for i, hf_name in enumerate(expected, start=1):
         t = by_name[renamed[hf_name]]
         progress(f"dequantize [{i}/{len(expected)}] {t.name} {t.tensor_type.name} {list(t.shape)}", transient=True)
@@ -305,9 +305,9 @@ def convert_tensors(tensors: list[TensorInfo], config: dict, progress: Progress)
             w = unpermute_rows(w, config["num_attention_heads"])
         elif hf_name.endswith("k_proj.weight"):
             w = unpermute_rows(w, config["num_key_value_heads"])
-        tensors[hf_name] = w
-    progress(f"dequantized {len(tensors)} tensors")
-    return tensors
+        converted[hf_name] = w
+    progress(f"dequantized {len(converted)} tensors")
+    return converted
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,6 +231,7 @@ def _check_layout(infos: list[TensorInfo], data_len: int) -> list[TensorInfo]:
     position, previous = 0, None
     for info in ordered:
         if info.begin < position:
+            assert previous is not None     # position > 0: a tensor came before this one
             raise SafetensorsError(f"tensor {info.name!r}: data_offsets [{info.begin}, {info.end}] "
                                    f"overlap tensor {previous.name!r} [{previous.begin}, "
                                    f"{previous.end}]")

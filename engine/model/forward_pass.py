@@ -97,6 +97,8 @@ class ForwardBatch:
         pos = np.arange(start_pos, start_pos + len(ids), dtype=np.int32)
         tables = slots = None
         if page_table is not None:
+            if page_size is None:
+                raise ValueError("a page table needs its page_size")
             tables = np.asarray([page_table], dtype=np.int32)
             slots = (tables[0][pos // page_size] * page_size + pos % page_size).astype(np.int32)
         return cls(ids, pos, np.array([0, len(ids)], dtype=np.int32), tables, slots,
@@ -129,8 +131,9 @@ class Model:
         self.rope_positions = 0
         self._grow_rope(self.max_context if max_context is not None else min(self.max_context, self.ROPE_START))
 
-    def _to_backend(self, host: np.ndarray):
-        return self.backend.xp.asarray(host) if self.backend.is_gpu else host
+    def _to_backend(self, host: np.ndarray | None):
+        """A host array on the backend's device (None stays None)."""
+        return self.backend.xp.asarray(host) if self.backend.is_gpu and host is not None else host
 
     def _grow_rope(self, positions: int) -> None:
         """Make the cos/sin tables [P, D/2] cover positions 0..positions-1 (at least doubling)."""

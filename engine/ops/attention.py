@@ -51,11 +51,11 @@ def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
     scale = config.head_dim ** -0.5
     plug = OVERRIDES.get("attention")            # your stage (engine/plugins.py), if one is active
     if plug is not None and (plug.fn is not None or not is_device_array(qkv)):
-        plug.require_function()
+        attend = plug.require_function()
         q, k, v = split_qkv(to_host(qkv), config)
         out = np.empty((qkv.shape[0], config.q_dim), dtype=np.float32)
         for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            one = checked_result("attention", plug.fn(q[a:b], k[a:b], v[a:b], scale), q[a:b].shape)
+            one = checked_result("attention", attend(q[a:b], k[a:b], v[a:b], scale), q[a:b].shape)
             out[a:b] = one.reshape(b - a, -1)
         return to_backend(out, qkv, bf16=True)
     if not is_device_array(qkv):

@@ -68,7 +68,7 @@ def flash_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens,
     pos = np.asarray(positions, dtype=np.int64)
     _check_layout(T, cu, pos, page_tables is not None)
     k_rows, v_rows = k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)     # [N, Hkv, D] views
-    page_size = k.shape[1] if page_tables is not None else None
+    page_size = k.shape[1] if page_tables is not None else 0        # 0: no pages, keys are batch rows
     out = np.empty((T, Hq, D), dtype=np.float32)                      # viewed below as [T, Hkv, r, D]
     out_groups = out.reshape(T, Hkv, r, D)
     for s in range(len(cu) - 1):

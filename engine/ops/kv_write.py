@@ -35,8 +35,7 @@ def kv_write(qkv, slot_mapping, k_cache, v_cache, config: LlamaConfig) -> None:
         _, k, v = split_qkv(qkv, config)
         write = kv_write_ref
         if plug is not None:
-            plug.require_function()
-            write = plug.fn
+            write = plug.require_function()
         write(k, v, k_cache, v_cache, np.asarray(slot_mapping))
         return
     if plug is not None and plug.fn is not None:

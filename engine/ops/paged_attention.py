@@ -90,8 +90,8 @@ def paged_attention(qkv, k_cache, v_cache, page_tables, seq_idx, positions, conf
     if not is_device_array(qkv):
         q, _, _ = split_qkv(qkv, config)
         if plug is not None:
-            plug.require_function()
-            got = plug.fn(q.copy(), k_cache, v_cache, page_tables, seq_idx, positions, scale)
+            attend = plug.require_function()
+            got = attend(q.copy(), k_cache, v_cache, page_tables, seq_idx, positions, scale)
             return checked_result("paged_attention", got, q.shape).reshape(R, -1)
         return paged_attention_ref(q, k_cache, v_cache, page_tables, seq_idx, positions, scale).reshape(R, -1)
     if plug is not None:

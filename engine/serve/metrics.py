@@ -41,6 +41,7 @@ class Monitor:
         with self._lock:
             s = self.stats
         now, ttft = s["now"], s["time_to_first_token"]
+        p50, p99 = quantile(ttft, 0.5), quantile(ttft, 0.99)      # None without any request yet
         recent = [r for r in s["requests"] if r["finished"] is None or r["finished"] >= now - TIMELINE_S]
         return {
             "time": time.time(), "model": self.model_name,
@@ -50,8 +51,8 @@ class Monitor:
             "requests": [{"id": r["request_id"], "state": r["state"], "timeline": timeline(r, now)} for r in recent],
             "tokens_generated": s["tokens_generated"], "tokens_per_s": round(s["tokens_per_second"], 1),
             "preemptions": s["preemptions"],
-            "ttft_p50_ms": None if not ttft else round(1e3 * quantile(ttft, 0.5), 1),
-            "ttft_p99_ms": None if not ttft else round(1e3 * quantile(ttft, 0.99), 1),
+            "ttft_p50_ms": None if p50 is None else round(1e3 * p50, 1),
+            "ttft_p99_ms": None if p99 is None else round(1e3 * p99, 1),
         }
 
     def prometheus(self) -> str:

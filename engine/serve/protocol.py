@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -66,7 +67,8 @@ class _Sampling(BaseModel):
         stop = [] if self.stop is None else self.stop
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                                  top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos, stop=stop)
+                                  top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos,
+                                  stop=stop)  # type: ignore[arg-type]  # SamplingParams takes a str or list and stores a tuple
         except ValueError as exc:
             message = str(exc)
             param = next((f for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
@@ -125,7 +127,7 @@ class CompletionRequest(_Sampling):
             p = p[0]
         if isinstance(p, list) and not p:
             raise ProtocolError("the prompt is empty", "prompt")
-        return p
+        return cast("str | list[int]", p)     # a list of prompts was unwrapped above
 
 
 # ---- responses -------------------------------------------------------------------------------

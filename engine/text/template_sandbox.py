@@ -26,6 +26,7 @@ import string
 import threading
 import time
 import types
+from collections.abc import Iterable
 
 import jinja2
 import jinja2.ext
@@ -111,7 +112,8 @@ def weight(value, stop: int | None = None) -> int:
     if isinstance(value, range):   # weighed without walking it
         return 2 + len(value) * (max(abs(value.start), abs(value.stop)).bit_length() // 3 + 4)
     if isinstance(value, jinja2.utils.Namespace):
-        value = value._Namespace__attrs  # type: ignore[attr-defined]
+        value = value._Namespace__attrs
+    items: Iterable[object]
     if isinstance(value, dict):
         items = [x for pair in value.items() for x in pair]
     elif isinstance(value, (list, tuple, set, frozenset)):

@@ -153,7 +153,7 @@ def _pre_tokenizer_stages(spec: dict | None) -> list:
     if spec is None:
         raise TokenizerError("no pre_tokenizer: byte-level BPE needs a ByteLevel pre-tokenizer")
     specs = spec["pretokenizers"] if spec.get("type") == "Sequence" else [spec]
-    stages = []
+    stages: list[RegexSplit | PrefixSpace] = []
     for i, part in enumerate(specs):
         kind = part.get("type")
         if kind == "Split":
@@ -294,7 +294,8 @@ class AddedTokens:
         return [c for c in chunks if c[0] or c[1] is not None]
 
     def _split_one(self, text: str, pattern) -> list[tuple[str, int | None]]:
-        out, position = [], 0
+        out: list[tuple[str, int | None]] = []
+        position = 0
         for m in pattern.finditer(text):
             start, stop = m.span()
             token = self.by_content[m.group()]
