@@ -306,7 +306,8 @@ class Bench:
 
     def prefill_attention(self):
         from engine.formats.config import config_from_dict
-        from engine.ops.attention import causal_attention_ref, prefill_attention, split_qkv
+        from engine.ops.attention import causal_attention_ref, prefill_attention
+        from engine.ops.qkv_layout import split_qkv
         for Hq, Hkv, D, lens in [(6, 2, 16, [13, 1, 40]), (8, 8, 64, [77]), (12, 3, 32, [129, 5]),
                                  (32, 8, 64, [2048])]:
             cfg = config_from_dict({"model_type": "llama", "vocab_size": 10, "hidden_size": Hq * D,
@@ -426,9 +427,9 @@ class Bench:
 
     def paged(self):
         from engine.formats.config import config_from_dict
-        from engine.ops.attention import split_qkv
         from engine.ops.kv_write import kv_write, kv_write_ref
         from engine.ops.paged_attention import paged_attention, paged_attention_ref
+        from engine.ops.qkv_layout import split_qkv
         cp = self.cp
         cases = [(4, 4, 64, [1, 17, 33, 100], 16, None), (32, 8, 64, [5, 300, 1000], 16, None),
                  (16, 2, 128, [64, 257], 16, 3), (8, 1, 32, [31, 16, 2], 7, None), (12, 3, 64, [500], 16, 5),
@@ -474,8 +475,8 @@ class Bench:
 
     def _paged_spot_check(self, out, qkv_h, kc_h, vc_h, tables_h, seq_h, pos_h, cfg):
         """For the large timing cases: check a few rows against the reference."""
-        from engine.ops.attention import split_qkv
         from engine.ops.paged_attention import paged_attention_ref
+        from engine.ops.qkv_layout import split_qkv
         rows = np.unique(self.rng.integers(0, len(seq_h), 3))
         q = split_qkv(qkv_h, cfg)[0][rows]
         ref = paged_attention_ref(q, kc_h, vc_h, tables_h, seq_h[rows], pos_h[rows], cfg.head_dim ** -0.5)
@@ -541,8 +542,8 @@ class Bench:
                             H * T * T * (4 + 2), ladder="prefill softmax")
 
     def _ladder_paged(self):
-        from engine.ops.attention import split_qkv
         from engine.ops.paged_attention import paged_attention, paged_attention_naive, paged_attention_ref
+        from engine.ops.qkv_layout import split_qkv
         for Hq, Hkv, D, ctxs, BS in [(12, 3, 64, [1, 17, 200, 33], 7), (32, 8, 64, [2048] * 64, 16)]:
             cfg, qkv, qkv_h, kc, kc_h, vc, vc_h, tables_h, seq_h, pos_h = self._paged_inputs(Hq, Hkv, D, ctxs, BS)
             args = tuple(self.cp.asarray(a) for a in (tables_h, seq_h, pos_h))

@@ -10,6 +10,8 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel, matmul
 from engine.formats.config import LlamaConfig
+from engine.ops.flash_attention import flash_attention_ref
+from engine.ops.qkv_layout import split_qkv
 from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 
@@ -27,14 +29,6 @@ def causal_attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: flo
     scores = np.where(np.tril(np.ones((T, T), dtype=bool)), scores, -np.inf)
     out = np.einsum("grts,sgd->tgrd", softmax(scores), v)                 # [T, Hkv, r, D]
     return out.reshape(T, Hq, D).astype(np.float32, copy=False)
-
-
-def split_qkv(qkv: np.ndarray, config: LlamaConfig):
-    """[T, (Hq + 2Hkv) * D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (views)."""
-    T, D = qkv.shape[0], config.head_dim
-    heads = qkv.reshape(T, -1, D)
-    Hq, Hkv = config.num_attention_heads, config.num_key_value_heads
-    return heads[:, :Hq], heads[:, Hq:Hq + Hkv], heads[:, Hq + Hkv:]
 
 
 def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
@@ -59,7 +53,6 @@ def prefill_attention(qkv, cu_seqlens: np.ndarray, config: LlamaConfig):
             out[a:b] = one.reshape(b - a, -1)
         return to_backend(out, qkv, bf16=True)
     if not is_device_array(qkv):
-        from engine.ops.flash_attention import flash_attention_ref  # (it imports split_qkv from here)
         q, k, v = split_qkv(qkv, config)
         cu = np.asarray(cu_seqlens)
         positions = np.arange(qkv.shape[0]) - np.repeat(cu[:-1], np.diff(cu))

@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel, tensor_cores_usable
 from engine.formats.config import LlamaConfig
-from engine.ops.attention import split_qkv
+from engine.ops.qkv_layout import split_qkv
 
 # The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a
 # plain nvcc build; tests/test_kernels_compile.py checks that the two agree).

@@ -11,7 +11,7 @@ import numpy as np
 
 from engine.backend import is_device_array, load_kernel
 from engine.formats.config import LlamaConfig
-from engine.ops.attention import split_qkv
+from engine.ops.qkv_layout import split_qkv
 from engine.plugins import OVERRIDES, cache_function_on_gpu
 
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.backend import KERNELS_DIR, is_device_array, load_kernel, load_source, sm_count, tensor_cores_usable
 from engine.formats.config import ConfigError, LlamaConfig
-from engine.ops.attention import softmax, split_qkv
+from engine.ops.attention import softmax
+from engine.ops.qkv_layout import split_qkv
 from engine.plugins import OVERRIDES, cache_function_on_gpu, checked_result
 
 NAIVE_SOURCE = KERNELS_DIR / "exercises" / "solutions" / "paged_attention.cu"   # the ladder's first rung
