@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
+from typing import TypeGuard
 
 import numpy as np
 
@@ -26,11 +27,11 @@ def env_switch(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in OFF
 
 
-def is_int(v) -> bool:
-    """A Python or NumPy integer, not a bool."""
+def is_int(v) -> TypeGuard[int]:
+    """A Python or NumPy integer, not a bool. (For the type checker: usable as an int.)"""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def is_real(v) -> bool:
-    """A Python or NumPy real number (integers included), not a bool."""
+def is_real(v) -> TypeGuard[float]:
+    """A Python or NumPy real number (integers included), not a bool. (For the type checker: a float.)"""
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))

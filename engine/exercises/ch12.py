@@ -13,7 +13,7 @@ from engine.formats.config import LlamaConfig
 from engine.model.random_model import write_random_model
 from engine.runtime.kv_allocator import PageAllocator, SlotAllocator
 from engine.runtime.sampling_params import SamplingParams
-from engine.runtime.step_log import summarize
+from engine.runtime.step_log import StepRecord, summarize
 
 GIB = 2**30
 
@@ -121,13 +121,13 @@ def check_paged_fit(fn: Callable) -> bool:
 
 # ----------------------------------------------------------------------------- a serving log
 
-def step_log_summary_ref(step_log: list[dict]) -> tuple[int, int, float]:
+def step_log_summary_ref(step_log: list[StepRecord]) -> tuple[int, int, float]:
     """(prefill steps, decode steps, mean rows of the decode steps) of LLM.last_step_log."""
     totals = summarize(step_log)
     return totals["prefill_steps"], totals["decode_steps"], totals["mean_decode_rows"]
 
 
-def serving_logs() -> list[list[dict]]:
+def serving_logs() -> list[list[StepRecord]]:
     """Real step logs of engine.LLM on a tiny random model: static and continuous, roomy and tight pools."""
     from engine.runtime.llm import LLM
     rng = np.random.default_rng(5)

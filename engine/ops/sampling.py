@@ -22,9 +22,14 @@ SAMPLE_THREADS = 1024   # threads per row of kernels_cu/sampling.cu (passed to i
 
 class RowKnobs(Protocol):
     """What sampling reads of a row's SamplingParams."""
-    temperature: float
-    top_k: int
-    top_p: float
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def top_p(self) -> float: ...
 
     @property
     def greedy(self) -> bool: ...

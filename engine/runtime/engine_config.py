@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from engine.backend import Backend
 from engine.checks import env_switch
 from engine.formats.config import LlamaConfig, check_serving_args
-from engine.runtime.kv_allocator import PageAllocator, SlotAllocator
+from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.scheduler import ADMISSIONS, Scheduler
 
 BATCHING = ("continuous", "static")
@@ -94,6 +94,7 @@ class EngineConfig:
         """A scheduler over a cache of num_pages pages (contiguous: slots). The finish rule lives in
         the scheduler alone: eos_token_ids are the config's and the tokenizer's (a chat model's end of
         turn)."""
+        allocator: KVAllocator
         if self.kv_cache == "contiguous":
             allocator = SlotAllocator(num_pages, self.max_context)
         else:

@@ -36,11 +36,13 @@ import weakref
 from collections import deque
 
 from engine.runtime.engine_config import EngineConfig
-from engine.runtime.model_runner import ModelRunner
+from engine.runtime.model_runner import LaunchedStep, ModelRunner
 from engine.runtime.request import HandleHub, RequestHandle, RequestOutput
 from engine.runtime.sampling_params import resolve_seed
 from engine.runtime.scheduler import Scheduler, StepOutput
+from engine.runtime.step_log import StepRecord
 from engine.text.stop_strings import StopStringMatcher
+from engine.text.tokenizer import IncrementalDetokenizer
 
 RECENT_REQUESTS = 256     # finished requests kept for stats() (a dashboard's timeline)
 RECENT_STEPS = 512        # steps kept for stats()' throughput figure
@@ -77,14 +79,14 @@ class EngineLoop:
         self._stats: dict | None = None
         self._tokenizer = tokenizer
         self.scheduler = self.new_scheduler(async_scheduling=engine_config.async_scheduling)
-        self._in_flight = None                # async scheduling: the LaunchedStep not yet completed
-        self.manual = None                    # weakref to a scheduler driven by hand (LLM.step)
+        self._in_flight: LaunchedStep | None = None   # async scheduling: the step not yet completed
+        self.manual: weakref.ref[Scheduler] | None = None   # a scheduler driven by hand (LLM.step)
         # Owned by the loop thread:
         self._handles: dict[int, RequestHandle] = {}
         self._seeds: dict[int, int] = {}
-        self._detok: dict[int, object] = {}                 # requests with stop strings: their text
+        self._detok: dict[int, IncrementalDetokenizer] = {}   # requests with stop strings: their text
         self._stops: dict[int, StopStringMatcher] = {}     # is read here, to find the stop
-        self._collectors: list[list[dict]] = []
+        self._collectors: list[list[StepRecord]] = []
         self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
         self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, sampled, kind)
         self._ttft: deque[float] = deque(maxlen=RECENT_REQUESTS)
@@ -137,14 +139,14 @@ class EngineLoop:
         with self.lock:                      # between two iterations: the scheduler is at rest
             self.scheduler.drop_session(session)
 
-    def collect_steps(self) -> list[dict]:
+    def collect_steps(self) -> list[StepRecord]:
         """A list that receives every step's log entry until stop_collecting() (LLM.last_step_log)."""
-        log: list[dict] = []
+        log: list[StepRecord] = []
         with self._cv:
             self._collectors.append(log)
         return log
 
-    def stop_collecting(self, log: list[dict]) -> None:
+    def stop_collecting(self, log: list[StepRecord]) -> None:
         with self._cv:
             self._collectors = [c for c in self._collectors if c is not log]
 
@@ -157,7 +159,7 @@ class EngineLoop:
             ticket = self._stats_wanted = self._stats_wanted + 1
             self._cv.notify_all()
             self._cv.wait_for(lambda: self._stats_served >= ticket or not self._busy)
-            if self._stats_served >= ticket:
+            if self._stats_served >= ticket and self._stats is not None:
                 return self._stats
             with self.lock:
                 return self._build_stats()
@@ -233,7 +235,7 @@ class EngineLoop:
                 for request_id in failed.request_ids:
                     sched.cancel(request_id)
                     sched.drop_session(self._handles[request_id].session)   # its pages may be half-written
-                    self._fail(self._handles[request_id], failed.__cause__)
+                    self._fail(self._handles[request_id], failed.__cause__ or failed)
                 return
             if out is None:
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
@@ -295,7 +297,7 @@ class EngineLoop:
             try:
                 return self.synchronous_step(runner, sched, seeds)
             except BatchFailed as failed:
-                raise failed.__cause__ from None
+                raise (failed.__cause__ or failed) from None
 
     def _abort(self, sched: Scheduler, batch_id: int, error: BaseException) -> None:
         for result in sched.abort(batch_id):
@@ -365,7 +367,7 @@ class EngineLoop:
         shown = stop.push(piece)
         return shown + stop.flush() if final else shown
 
-    def _finish(self, results, sampled_now: set[int] = frozenset(), at: float | None = None,
+    def _finish(self, results, sampled_now: frozenset[int] | set[int] = frozenset(), at: float | None = None,
                 final_text: dict[int, str] | None = None) -> None:
         """Deliver final events and outputs; requests in `sampled_now` got their last token this step
         (it goes into the final event); `final_text` holds that event's text where it is known already

@@ -154,9 +154,10 @@ class RemoteLLM:
             with self._stats_cv:
                 if not self._stats_cv.wait_for(lambda: self._stats[ticket] is not None or self._closed, timeout):
                     raise TimeoutError(f"the engine process did not answer within {timeout} s")
-                if self._stats[ticket] is None:
+                answer = self._stats[ticket]
+                if answer is None:
                     raise EngineProcessError("the engine process is gone")
-                return self._stats[ticket]
+                return answer
         finally:
             with self._stats_cv:
                 del self._stats[ticket]          # an answer arriving after a timeout is dropped
@@ -319,7 +320,7 @@ class Forwarder:
                     if done:
                         del self.live[request_id]
                         final, out, failure = handle.ending()
-                        if failure is not None:
+                        if failure is not None or out is None:
                             error = f"{type(failure).__name__}: {failure}"
                         else:
                             end, output = final, (out.token_ids, out.text, out.finish_reason)

@@ -28,6 +28,7 @@ from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import RequestHandle, RequestOutput, prepare_prompt
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.scheduler import Scheduler, StepOutput
+from engine.runtime.step_log import StepRecord
 from engine.text.tokenizer import load_tokenizer
 
 
@@ -64,7 +65,7 @@ class LLM:
         self.runner = ModelRunner(self.model, settings)
         self.engine_config = self.runner.engine_config     # as the cache left it (contiguous: its slots)
         self.cache, self.decode_graphs = self.runner.cache, self.runner.decode_graphs
-        self.last_step_log: list[dict] = []
+        self.last_step_log: list[StepRecord] = []
         # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
         # stops a request as well as the config's.
         eos = set(config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class LaunchedStep:
     sampled: SampledTokens | None       # None when no row samples (a step of prompt chunks only)
     started: float                      # time.perf_counter() at launch
     launched_at: float                  # time.monotonic() at launch (the clock of handles' timestamps)
-    done: object = None                 # GPU, no row samples: an event after the step (tokens() waits on it)
+    done: Any = None                    # GPU, no row samples: a cupy.cuda.Event after the step (tokens() waits on it)
 
     def tokens(self, is_live=None) -> list[int]:
         """The sampled ids, once the step has run. is_live(request_id): only those rows' logits must be

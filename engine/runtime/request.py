@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.runtime.sampling_params import SamplingParams
+from engine.text.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -147,7 +148,7 @@ class RequestHandle:
         # Made from the above by consumers, under _events_lock:
         self._events_lock = threading.Lock()
         self._events: list[StreamEvent] = []
-        self._detok = None
+        self._detok: IncrementalDetokenizer | None = None
         # Timeline for stats() and the chat's /stats (time.monotonic() seconds), kept by the engine loop.
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -177,12 +178,12 @@ class RequestHandle:
             events = self._events
             for k in range(len(events), n):
                 token = self._tokens[k]
-                text = texts[k] if texts is not None else self._push_text([token])
-                events.append(StreamEvent(self.request_id, [token], text, False, None))
+                piece = texts[k] if texts is not None else self._push_text([token])
+                events.append(StreamEvent(self.request_id, [token], piece, False, None))
             if end is not None and len(events) == n:
-                tokens, text, reason = end
-                if text is None:
-                    text = self._push_text(tokens) + (self._detok.flush() if self._detok is not None else "")
+                tokens, known, reason = end
+                text = known if known is not None else \
+                    self._push_text(tokens) + (self._detok.flush() if self._detok is not None else "")
                 events.append(StreamEvent(self.request_id, tokens, text, True, reason))
             return events[start:], error, done
 
@@ -192,7 +193,8 @@ class RequestHandle:
             return ""
         if self._detok is None:
             self._detok = tokenizer.detokenizer(skip_special_tokens=True)
-        return "".join(self._detok.push(t) for t in tokens)
+        detok = self._detok
+        return "".join(detok.push(t) for t in tokens)
 
     def stream(self, heartbeat: float | None = None) -> Iterator[StreamEvent | None]:
         """Yield events as they come, the last one with finished=True; re-raises a failure.
@@ -281,7 +283,7 @@ class RequestHandle:
     def deliver(self, tokens: list[int], texts: list[str] | None = None) -> None:
         """Hand over new tokens (and, for a request with stop strings, their text)."""
         self._tokens += tokens
-        if texts:
+        if texts and self._texts is not None:
             self._texts += texts
         self._hub._woken(self._listeners)
 

@@ -99,4 +99,7 @@ def step_uniforms(seeds, steps) -> np.ndarray:
 
 def resolve_seed(params: SamplingParams) -> int:
     """The seed a request samples with: its own, or a fresh random one."""
-    return params.seed if params.seed is not None else int(np.random.SeedSequence().entropy) & _MASK64
+    if params.seed is not None:
+        return params.seed
+    entropy = np.random.SeedSequence().entropy    # an int: no entropy was passed in
+    return int(entropy) & _MASK64   # type: ignore[arg-type]  # numpy types it int | Sequence[int] | None

@@ -114,6 +114,7 @@ import itertools
 import operator
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +146,7 @@ class Row:
     token_ids: list[int]
     start_pos: int          # absolute position of token_ids[0]
     page_table: list[int]  # covers positions < context_len, after this step's reservation
-    params: object          # the request's sampling params, for the runner's sampler
+    params: Any             # the request's SamplingParams (read by the runner's sampler, not here)
     num_generated: int      # tokens generated before this step (a seeded sampler can key on it)
     samples: bool = True    # False for a chunk that does not reach the end of the prompt
     kind: str = "prefill"   # "prefill" (a prompt, a chunk of one, or a recompute) | "decode"
@@ -467,10 +468,10 @@ class Scheduler:
         if len(prompt) >= self.max_context:
             raise InvalidRequest(f"prompt of {len(prompt)} tokens does not fit the context of "
                                  f"{self.max_context} with room for one new token")
-        max_new = getattr(params, "max_new_tokens", None)
-        if not is_int(max_new) or max_new < 0:
-            raise InvalidRequest(f"max_new_tokens must be an int >= 0, got {max_new!r}")
-        max_new = int(max_new)
+        wanted = getattr(params, "max_new_tokens", None)
+        if not is_int(wanted) or wanted < 0:
+            raise InvalidRequest(f"max_new_tokens must be an int >= 0, got {wanted!r}")
+        max_new = int(wanted)
         if max_new == 0:
             return prompt, 0, 0
         # The last sampled token is never fed back, so the cache holds one token less than the end.

@@ -134,7 +134,8 @@ def request_latencies(step_log, x: str = "step") -> dict[int, tuple[float, float
     the step it arrived before to the end of the step that produced the token: in steps, or in
     wall seconds with x="seconds". Only requests that finished within the log are listed."""
     edges = x_edges(step_log, x)
-    arrival, first = {}, {}
+    arrival: dict[int, int] = {}
+    first: dict[int, int] = {}
     out = {}
     for s, entry in enumerate(step_log):
         for rid in entry["arrived"]:

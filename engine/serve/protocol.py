@@ -39,7 +39,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by both endpoints. temperature defaults to 1.0, as in OpenAI's API."""
     model_config = ConfigDict(extra="allow")
     model: str
@@ -81,7 +81,7 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None    # the newer name of max_tokens
     tools: list | None = None
@@ -106,7 +106,7 @@ class ChatCompletionRequest(_Sampling):
         return out
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None

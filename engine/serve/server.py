@@ -33,8 +33,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -42,8 +43,11 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from engine.backend import BACKENDS
+from engine.runtime.sampling_params import SamplingParams
 from engine.serve import protocol as api
 from engine.serve.metrics import Monitor
+
+ParsedRequest = TypeVar("ParsedRequest", bound=api.SamplingRequest)
 
 DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboard"
 DASHBOARD_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -88,9 +92,8 @@ class OpenAIServer:
                   Route("/health", self.health), Route("/metrics", self.metrics),
                   Route("/", self.dashboard_page), Route("/dashboard/events", self.dashboard_events),
                   Route("/dashboard/{name}", self.dashboard_file)]
-        self.app = Starlette(routes=routes, lifespan=self.lifespan,
-                             exception_handlers={ApiError: lambda _, e: e.response(),
-                                                 HTTPException: self.http_error})
+        handlers: dict = {ApiError: lambda _, e: e.response(), HTTPException: self.http_error}
+        self.app = Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -115,7 +118,7 @@ class OpenAIServer:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(api.error_body(str(exc.detail), type_), status_code=exc.status_code)
 
-    async def _parse(self, request: Request, model: type[BaseModel]):
+    async def _parse(self, request: Request, model: type[ParsedRequest]) -> tuple[ParsedRequest, SamplingParams]:
         try:
             data = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -159,7 +162,9 @@ class OpenAIServer:
     async def _collect(self, request: Request, handle) -> tuple[str, list[int], str]:
         """Run a request to the end (non-streaming): its text, generated ids, finish reason."""
         watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
-        text, ids, reason = [], [], None
+        text: list[str] = []
+        ids: list[int] = []
+        reason = "cancelled"     # until the final event says otherwise
         try:
             async for batch in handle.astream_batches():
                 for ev in batch:
@@ -168,7 +173,7 @@ class OpenAIServer:
                     reason = ev.finish_reason if ev.finished else reason
         finally:
             watcher.cancel()
-            if reason is None:
+            if not handle.done:
                 handle.cancel()
         return "".join(text), ids, reason
 
@@ -355,12 +360,13 @@ def main(argv=None) -> int:
         else:
             model_dir = Path(args.model)
         options = {"kv_cache_mib": args.kv_cache_mib, "max_seqs": args.max_seqs, "max_context": args.max_context}
+        llm: LLM | RemoteLLM
         if args.in_process:
             llm = LLM(model_dir, args.backend, **options)
             where = llm.backend.describe()
         else:
-            llm = RemoteLLM(model_dir, args.backend, **options)
-            where = llm.description + " (engine process)"
+            remote = llm = RemoteLLM(model_dir, args.backend, **options)
+            where = remote.description + " (engine process)"
     except (ValueError, BackendError, OSError, EngineProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
