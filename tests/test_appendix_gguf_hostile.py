@@ -1,15 +1,15 @@
-"""Malformed GGUF files: every one ends in GGUFConversionError, within a time and memory bound.
+"""Malformed GGUF files: every one ends in GGUFConversionError, within a work and memory bound.
 
 Three corpora: hand-built files that each break one rule (counts larger than the file, duplicate
 keys, absurd dimensions, wrong value types, ...), a small valid file truncated at every offset, and
-random corruption of its header fields. No case may hang, allocate more than PEAK_BYTES, or end in
-any other exception type.
+random corruption of its header fields. No case may loop (more than CALLS function calls, counted by
+tests/helpers/work.py: a whole valid conversion of the tiny test model makes about 70,000),
+allocate more than PEAK_BYTES, or end in any other exception type.
 """
 from __future__ import annotations
 
 import resource
 import struct
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -17,13 +17,15 @@ import gguf
 import numpy as np
 import pytest
 from helpers.default_model import write_tiny_llama_gguf
+from helpers.work import WorkBudgetExceeded, call_budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.formats import gguf_reader
 from engine.formats.gguf_convert import GGUFConversionError, convert_gguf
 from engine.formats.gguf_reader import GGUFFile, GGUFFormatError
 
-SECONDS = 1.0
+CALLS = 200_000
 PEAK_BYTES = 32 << 20
 Q = gguf.GGMLQuantizationType
 
@@ -114,14 +116,15 @@ BAD_METADATA = {
 
 
 def bounded(function):
-    """(outcome, seconds, peak traced bytes) of one call; tracemalloc must already be running."""
+    """(outcome, function calls made, peak traced bytes) of one call; tracemalloc must already be running.
+    Past CALLS calls, WorkBudgetExceeded stops the call (and fails the test) instead of letting it loop."""
     tracemalloc.reset_peak()
-    start = time.perf_counter()
-    try:
-        outcome = function()
-    except Exception as e:   # noqa: BLE001 -- inspected by the caller
-        outcome = e
-    return outcome, time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    with call_budget(CALLS) as work:
+        try:
+            outcome = function()
+        except Exception as e:   # noqa: BLE001 -- inspected by the caller
+            outcome = e
+    return outcome, work.calls, tracemalloc.get_traced_memory()[1]
 
 
 @pytest.fixture
@@ -131,9 +134,9 @@ def traced():
     tracemalloc.stop()
 
 
-def assert_refused(outcome, seconds, peak, what):
+def assert_refused(outcome, calls, peak, what):
     assert isinstance(outcome, GGUFConversionError), f"{what}: {type(outcome).__name__}: {str(outcome)[:300]}"
-    assert seconds < SECONDS, f"{what}: {seconds:.2f} s"
+    assert calls <= CALLS, f"{what}: {calls:,} calls"
     assert peak < PEAK_BYTES, f"{what}: peak {peak / 2**20:.0f} MiB"
 
 
@@ -210,20 +213,32 @@ def small_gguf(tmp_path_factory):
     return data
 
 
-def test_truncation_at_every_offset(small_gguf):
+def test_truncation_at_every_offset(small_gguf, monkeypatch):
     """The header reader on every prefix of the file: refused, or (trailing padding cut) still whole.
 
     Thousands of cases: memory is bounded by the process high-water mark over the whole loop
-    (tracemalloc would make it ten times slower); the per-case bounds run in the tests around it."""
+    (tracemalloc would make it ten times slower); the per-case bounds run in the tests around it.
+    The work is the reader's field reads (every one goes through _Cursor.take): a prefix of n bytes
+    allows at most n of them, and one more stops the case."""
     whole = GGUFFile(small_gguf)
+    reads = [0, 0]   # [reads so far, allowed]
+    take = gguf_reader._Cursor.take
+
+    def counted_take(cursor, n, what):
+        reads[0] += 1
+        if reads[0] > reads[1]:
+            raise WorkBudgetExceeded(f"more than {reads[1]:,} field reads")
+        return take(cursor, n, what)
+
+    monkeypatch.setattr(gguf_reader._Cursor, "take", counted_take)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for length in range(len(small_gguf)):
-        start = time.perf_counter()
+        reads[:] = [0, length]
         try:
             outcome = GGUFFile(small_gguf[:length])
         except Exception as e:   # noqa: BLE001 -- checked below
             outcome = e
-        assert time.perf_counter() - start < SECONDS, length
+        assert reads[0] <= length, length
         if isinstance(outcome, GGUFFile):
             assert [t.name for t in outcome.tensors] == [t.name for t in whole.tensors]
             assert length >= whole.tensors[-1].offset + whole.tensors[-1].nbytes, length
@@ -244,6 +259,7 @@ def test_truncated_files_are_refused_by_the_converter(small_gguf, tmp_path, trac
 INTERESTING = [0, 1, 2**31, 2**32 - 1, 2**62, 2**63, 2**64 - 1]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_field_corruption(small_gguf, tmp_path, data):
@@ -262,8 +278,8 @@ def test_random_field_corruption(small_gguf, tmp_path, data):
     out = tmp_path / f"hf-{position}"
     tracemalloc.start()
     try:
-        outcome, seconds, peak = bounded(lambda: convert_gguf(path, out))
+        outcome, calls, peak = bounded(lambda: convert_gguf(path, out))
     finally:
         tracemalloc.stop()
     if not isinstance(outcome, Path):   # a corruption may leave a valid file (a changed weight byte)
-        assert_refused(outcome, seconds, peak, f"{len(patch)} bytes at {position}")
+        assert_refused(outcome, calls, peak, f"{len(patch)} bytes at {position}")

@@ -87,6 +87,7 @@ def test_qwen_specific_texts(qwen):
     assert ours.encode("e\u0301") == ours.encode("\u00e9")                      # NFC really applied
 
 
+@pytest.mark.slow
 def test_normalized_added_token_is_matched_after_nfc(qwen_spec):
     """An added token with normalized=true is looked for in the NFC text: a decomposed spelling of it
     in the input still becomes the token (as in tokenizers, which normalizes before that pass)."""

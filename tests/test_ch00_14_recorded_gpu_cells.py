@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.backend import cupy_unavailable_reason
 from engine.exercises import record_cells, recorded
 from engine.exercises.record_cells import CellError, cell_keys, code_cells, execute_notebook, is_quiet
 
@@ -269,7 +268,7 @@ def test_the_repository_copy_runs_the_worked_solutions(tmp_path):
     assert not list(tmp_path.rglob("__pycache__"))
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is None, reason="a GPU is available: the recorder would run")
+@pytest.mark.nogpu   # with a GPU the recorder would run
 def test_the_recorder_refuses_to_run_without_a_gpu(tmp_path, capsys):
     out = tmp_path / "gpu_cells.json"
     assert record_cells.main(["--out", str(out)]) == 2

@@ -6,7 +6,6 @@ import importlib.util
 import pytest
 
 from engine import env
-from engine.backend import cupy_unavailable_reason
 from engine.bench import kernels as kernel_bench
 from engine.bench import run as bench
 
@@ -20,14 +19,15 @@ def test_bench_hf_without_torch_says_what_to_install(monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and ".[oracle]" in err and "torch" in err
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is None, reason="a GPU is usable here")
+@pytest.mark.nogpu
 def test_kernel_bench_on_a_cpu_machine_says_it_needs_a_gpu(capsys):
     assert kernel_bench.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs a CUDA GPU" in err
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is None, reason="a GPU is usable here")
+@pytest.mark.slow
+@pytest.mark.nogpu
 def test_env_on_a_cpu_machine_does_not_fail_cupy(capsys):
     assert env.main([]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from engine.backend import bf16_to_f32, cupy_unavailable_reason, f32_to_bf16
+from engine.backend import bf16_to_f32, f32_to_bf16
 from engine.formats.safetensors import (
     DTYPES,
     INDEX_FILE,
@@ -298,8 +298,6 @@ def test_single_file_checkpoint_by_directory_or_path(tmp_path):
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy_unavailable_reason() is not None,
-                    reason=f"no usable GPU: {cupy_unavailable_reason()}")
 def test_to_device(tmp_path):
     import cupy as cp
     x = np.random.default_rng(0).standard_normal((33, 7)).astype(np.float32)

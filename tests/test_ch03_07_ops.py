@@ -542,7 +542,7 @@ def test_resolve_backend_numpy():
     assert resolve_backend(b) is b
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is None, reason="CuPy is usable here: auto picks it")
+@pytest.mark.nogpu   # with a GPU, auto picks CuPy
 def test_resolve_backend_auto_falls_back_to_numpy_with_a_reason():
     b = resolve_backend("auto")
     assert b.name == "numpy" and b.xp is np
@@ -550,14 +550,14 @@ def test_resolve_backend_auto_falls_back_to_numpy_with_a_reason():
     assert b.reason in b.describe()
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is None, reason="CuPy is usable here")
+@pytest.mark.nogpu
 def test_resolve_backend_cupy_raises_with_the_reason():
     with pytest.raises(BackendError) as info:
         resolve_backend("cupy")
     assert cupy_unavailable_reason() in str(info.value)
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is not None, reason="no usable CuPy here")
+@pytest.mark.gpu
 def test_resolve_backend_auto_picks_cupy_on_a_gpu():
     b = resolve_backend("auto")
     assert b.name == "cupy" and b.is_gpu and b.reason is None

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.backend import cupy_unavailable_reason, f32_to_bf16
+from engine.backend import f32_to_bf16
 from engine.exercises import cuda_check, recorded
 from engine.exercises.cuda_check import POISON, Case, diagnose
 from engine.exercises.record_gpu import CHECKERS
@@ -162,7 +162,7 @@ def test_every_exercise_has_a_skeleton_and_a_solution():
         cuda_check.read_source("nowhere/missing.cu", e)
 
 
-@pytest.mark.skipif(cupy_unavailable_reason() is None, reason="a GPU is available: the check runs for real")
+@pytest.mark.nogpu   # with a GPU the check runs for real
 def test_without_a_gpu_the_check_skips_and_shows_the_recorded_run(tmp_path, monkeypatch, capsys):
     run = {"device": "NVIDIA H200", "date": "2026-12-01", "copy_gbps": 4300.0,
            "checks": {"rmsnorm": "[OK] rmsnorm kernel: all 8 cases pass\n     speed on T=2047: yours ...\n"},
@@ -195,7 +195,6 @@ def _solution(name):
 
 @pytest.mark.parametrize("name", list(CHECKERS))
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
 def test_gpu_solution_passes_its_checker(name, capsys):
     assert CHECKERS[name](cuda_check.SOLUTIONS_DIR / f"{name}.cu") is True, capsys.readouterr().out
     out = capsys.readouterr().out
@@ -204,7 +203,6 @@ def test_gpu_solution_passes_its_checker(name, capsys):
 
 @pytest.mark.parametrize("name", list(CHECKERS))
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
 def test_gpu_skeleton_is_not_yet_written(name, capsys):
     assert CHECKERS[name]() is False
     assert "no output element was written" in capsys.readouterr().out
@@ -231,7 +229,6 @@ BROKEN = [
 
 @pytest.mark.parametrize("name,old,new,expected", BROKEN, ids=[f"{b[0]}-{b[3][:24]}" for b in BROKEN])
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
 def test_gpu_broken_kernel_gets_the_right_diagnosis(name, old, new, expected, capsys):
     source = _solution(name)
     assert old in source, old

@@ -7,7 +7,6 @@ import pytest
 
 import engine
 from engine import plugins
-from engine.backend import cupy_unavailable_reason
 from engine.ops.attention import causal_attention_ref
 from engine.ops.embedding import embedding_ref
 from engine.ops.kv_write import kv_write_ref
@@ -138,9 +137,6 @@ def test_overrides_are_process_wide_and_visible_from_other_threads(model):
 
 # ---------------------------------------------------------------------------------------------- GPU
 
-needs_gpu = pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
-
-
 def _engine_source(stage: str) -> tuple[str, str]:
     """The engine's own kernel source for a stage: plugged back in, it must reproduce the engine."""
     kernels_stage, name = plugins.STAGES[stage].engine_kernel
@@ -149,7 +145,6 @@ def _engine_source(stage: str) -> tuple[str, str]:
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("stage", ["embedding", "rmsnorm", "add_rmsnorm", "rope", "attention", "swiglu"])
 def test_gpu_cuda_source_of_the_engine_reproduces_the_engine(tiny_dir, stage):
     model = engine.load_model(tiny_dir, backend="cupy", max_context=128)
@@ -167,7 +162,6 @@ def test_gpu_cuda_source_of_the_engine_reproduces_the_engine(tiny_dir, stage):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("stage", ["kv_write", "paged_attention", "sampling", "rmsnorm"])
 def test_gpu_cuda_source_runs_inside_generate_and_the_chat(tiny_dir, stage):
     from engine.runtime.chat_session import ChatSession
@@ -192,7 +186,6 @@ def test_gpu_cuda_source_runs_inside_generate_and_the_chat(tiny_dir, stage):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_gpu_numpy_function_runs_on_the_gpu_backend_and_cache_stages_refuse(tiny_dir):
     model = engine.load_model(tiny_dir, backend="cupy", max_context=128)
     want = model.logits(IDS)

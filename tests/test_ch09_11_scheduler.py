@@ -479,12 +479,14 @@ def check_batch(sched, setup, batch, before, generated, worst, group, group_deco
         assert not (seat and memory), "decoded although the head of the queue could be admitted"
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups())
 def test_random_workloads_match_running_alone(setup):
     simulate(setup, fail_rate=0.0, cancel_rate=0.0)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups())
 def test_failed_batches_change_nothing_and_cancels_return_what_was_generated(setup):

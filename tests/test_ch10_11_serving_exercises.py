@@ -129,6 +129,7 @@ def test_the_scheduler_skeleton_refuses_static_batching():
         MyScheduler(PageAllocator(4, 4), 2, 10, 20, policy="static")
 
 
+@pytest.mark.slow
 def test_whole_model_checker_passes_the_engine_and_names_the_first_divergence(default_model_dir, capsys):
     assert check_in_model({"rmsnorm": rmsnorm_ref}, max_new_tokens=4, model_dir=str(default_model_dir))
     assert capsys.readouterr().out.startswith("[OK]")

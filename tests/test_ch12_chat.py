@@ -12,6 +12,7 @@ def chat(*args, stdin=None, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_prompt_answers_once(default_model_dir):
     r = chat("--model", str(default_model_dir), "--backend", "numpy", "--prompt",
              "What is the capital of France?", "--max-new-tokens", "16")
@@ -19,6 +20,7 @@ def test_prompt_answers_once(default_model_dir):
     assert r.stdout.strip() == "The capital of France is Paris."
 
 
+@pytest.mark.slow
 def test_interactive_commands(default_model_dir):
     script = ("What is the capital of France?\n/stats\n/system Answer in one word.\nWhat color is the sky?\n"
               "/bogus\n/quit\n")
@@ -36,10 +38,8 @@ def test_bad_model_dir_is_one_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.nogpu
 def test_cupy_without_gpu_is_one_line(default_model_dir):
-    from engine.backend import cupy_unavailable_reason
-    if cupy_unavailable_reason() is None:
-        pytest.skip("a GPU is usable here")
     r = chat("--model", str(default_model_dir), "--backend", "cupy", "--prompt", "hi")
     assert r.returncode == 2 and r.stderr.startswith("error: backend 'cupy' is not usable")
     assert len(r.stderr.strip().splitlines()) == 1
@@ -50,6 +50,7 @@ def test_invalid_sampling_flag_is_one_line(default_model_dir):
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_chat_survives_three_times_its_context(default_model_dir):
     """A scripted conversation of more than 3x --max-context tokens, a message too long to ever fit and
     invalid UTF-8 on stdin: every turn gets an answer or a one-line notice, the chat never dies."""
@@ -71,6 +72,7 @@ def test_chat_survives_three_times_its_context(default_model_dir):
     assert max(int(reused) for _, reused, _ in lines) > 30  # later turns reuse the cached conversation
 
 
+@pytest.mark.slow
 def test_a_failing_turn_prints_one_line_and_the_chat_goes_on(default_model_dir, monkeypatch, capsys):
     from engine.chat.cli import interactive
     from engine.chat.local import Chat
@@ -92,6 +94,7 @@ def test_a_failing_turn_prints_one_line_and_the_chat_goes_on(default_model_dir, 
     assert "Paris" in out
 
 
+@pytest.mark.slow
 def test_the_next_turn_reuses_the_cache_and_answers_like_a_fresh_chat(default_model_dir):
     from engine.chat.local import Chat
     from engine.runtime.sampling_params import SamplingParams

@@ -120,6 +120,7 @@ def test_cli_one_shot_and_unreachable_server(server):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_remote_chat_against_the_engine_server(tiny_chat_dir):
     """The real thing: engine.serve.server on loopback; each turn's text equals LLM.generate on the rendered
     conversation, and a conversation longer than the server's context keeps going."""

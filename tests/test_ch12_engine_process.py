@@ -26,6 +26,7 @@ def remote(model_dir):
         yield llm
 
 
+@pytest.mark.slow
 def test_streams_the_tokens_llm_generate_makes(remote, model_dir):
     prompts = ["The KV cache", "Pages of sixteen tokens", "a"]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 17, 1)]
@@ -75,6 +76,7 @@ def test_a_bad_model_directory_fails_at_start(tmp_path):
         RemoteLLM(tmp_path / "no-such-model", "numpy")
 
 
+@pytest.mark.slow
 def test_a_dead_engine_process_fails_its_requests(model_dir):
     llm = RemoteLLM(model_dir, "numpy", **OPTIONS)
     try:
@@ -117,6 +119,7 @@ def test_ctrl_c_reaches_the_engine_process_harmlessly(remote):
     assert len(handle.result(timeout=30).token_ids) == 20 and remote._process.is_alive()
 
 
+@pytest.mark.slow
 def test_cancel_after_close_is_a_no_op(model_dir):
     llm = RemoteLLM(model_dir, "numpy", **OPTIONS)
     handle = llm.submit("x", SamplingParams(max_new_tokens=200, ignore_eos=True))

@@ -212,6 +212,7 @@ def test_disconnect_cancels_the_request(server, served):
 
 # ---- load --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_concurrent_streaming_clients(server, served, llm):
     """48 streaming clients at once, random lengths, every fourth one hangs up after two chunks."""
     rng = random.Random(0)

@@ -95,6 +95,7 @@ def test_events_are_made_when_read_and_every_reader_sees_the_same(llm):
     assert list(handle.stream()) == seen[0]       # a third read: the same events again
 
 
+@pytest.mark.slow
 def test_host_bench_runs_and_its_digest_is_stable(capsys):
     import json
 

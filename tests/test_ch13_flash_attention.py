@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.backend import bf16_to_f32, cupy_unavailable_reason, f32_to_bf16
+from engine.backend import bf16_to_f32, f32_to_bf16
 from engine.formats.config import config_from_dict
 from engine.model.random_model import PRESETS
 from engine.ops.attention import causal_attention_ref
@@ -139,6 +139,7 @@ def test_dispatcher_reads_fused_qkv_and_the_cache():
     np.testing.assert_allclose(out, c["expected"].reshape(T, -1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_memory_is_linear_in_the_length():
     """4,096 tokens x 4 heads: the dense scores alone would be 4096^2 * 4 * 4 B = 256 MiB."""
     rng = np.random.default_rng(0)
@@ -186,9 +187,6 @@ def test_model_prefills_in_chunks_over_the_cache(tmp_path):
 
 # ---- GPU: the kernel == the NumPy reference ----------------------------------------------------
 
-requires_gpu = pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
-
-
 @contextlib.contextmanager
 def poisoned_allocations():
     """Every CuPy allocation inside starts as 0xFF bytes (NaN in bf16): an unwritten output fails."""
@@ -206,12 +204,6 @@ def poisoned_allocations():
         cp.cuda.set_allocator(pool.malloc)
 
 
-def needs_tensor_cores():
-    import cupy as cp
-    if int(cp.cuda.Device().compute_capability) < 80:
-        pytest.skip("the flash-attention kernel needs sm_80+ (bf16 mma.sync)")
-
-
 def to_device_bf16(x):
     import cupy as cp
     return cp.asarray(f32_to_bf16(x))
@@ -220,13 +212,11 @@ def to_device_bf16(x):
 GPU_SHAPES = [(Hq, Hkv, D) for D in (64, 128) for Hq, Hkv in GQA] + [(6, 2, 16), (4, 1, 32)]
 
 
-@pytest.mark.gpu
-@requires_gpu
+@pytest.mark.gpu(tensor_cores=True)   # the kernel needs sm_80+ (bf16 mma.sync)
 @pytest.mark.parametrize("Hq,Hkv,D", GPU_SHAPES)
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 130], [300]])
 def test_kernel_matches_reference_on_fresh_prompts(Hq, Hkv, D, lengths):
     import cupy as cp
-    needs_tensor_cores()
     cfg = make_config(Hq, Hkv, D)
     q, k, v, cu, positions, _ = packed_prompts(np.random.default_rng(D + Hq), Hq, Hkv, D, lengths, round_bf16=True)
     T = len(q)
@@ -238,14 +228,12 @@ def test_kernel_matches_reference_on_fresh_prompts(Hq, Hkv, D, lengths):
     assert rel_err(bf16_to_f32(out.get()), ref) < BF16_TOL
 
 
-@pytest.mark.gpu
-@requires_gpu
+@pytest.mark.gpu(tensor_cores=True)   # the kernel needs sm_80+ (bf16 mma.sync)
 @pytest.mark.parametrize("Hq,Hkv,D", GPU_SHAPES)
 @pytest.mark.parametrize("page_size", [16, 7])
 def test_kernel_matches_reference_over_a_cached_prefix(Hq, Hkv, D, page_size):
     """Chunks after cached prefixes (0, 17, 64, 100 tokens), shuffled pages, NaN in unused slots."""
     import cupy as cp
-    needs_tensor_cores()
     cfg = make_config(Hq, Hkv, D)
     c = make_case(np.random.default_rng(page_size * D + Hq), Hq, Hkv, D, prefixes=[0, 17, 64, 100],
                   chunks=[5, 64, 70, 1], page_size=page_size, round_bf16=True)
@@ -259,8 +247,7 @@ def test_kernel_matches_reference_over_a_cached_prefix(Hq, Hkv, D, page_size):
     assert rel_err(bf16_to_f32(out.get()), ref) < BF16_TOL
 
 
-@pytest.mark.gpu
-@requires_gpu
+@pytest.mark.gpu(tensor_cores=True)   # the kernel needs sm_80+ (bf16 mma.sync)
 @pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
 def test_gpu_model_chunked_prefill_matches_one_pass(tmp_path, preset):
     """On the GPU: a prompt prefilled in chunks over the paged cache (flash kernel, PAGED 1) gives
@@ -269,7 +256,6 @@ def test_gpu_model_chunked_prefill_matches_one_pass(tmp_path, preset):
     from engine.model.forward_pass import ForwardBatch
     from engine.model.kv_cache import KVCache
     from engine.model.random_model import write_random_model
-    needs_tensor_cores()
     model = engine.load_model(write_random_model(tmp_path, preset, seed=4), backend="cupy", max_context=256)
     ids = np.random.default_rng(5).integers(3, 300, 200)
     full = model.logits(ids)

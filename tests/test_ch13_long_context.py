@@ -49,6 +49,7 @@ def test_a_request_the_pool_can_never_hold_is_refused_at_submit():
     assert len(ok.token_ids) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_prompts_of_many_budgets_match_the_no_cache_oracle(batching):
     """Prompts of 150-230 tokens through a 32-token budget: 5-8 chunks each, next to running decodes."""
@@ -67,6 +68,7 @@ def test_prompts_of_many_budgets_match_the_no_cache_oracle(batching):
         assert any(entry["kind"] == "mixed" for entry in log)
 
 
+@pytest.mark.slow
 def test_bench_long_context_scenarios_run_on_the_cpu(capsys):
     from engine.bench import run as bench
     bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "long-prefill", "chunked-itl",

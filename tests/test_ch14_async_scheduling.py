@@ -120,12 +120,14 @@ def fresh(setup):
     return dict(setup, allocator=copy)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups())
 def test_random_workloads_with_a_batch_always_in_flight_match_running_alone(setup):
     simulate_async(setup)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=setups())
 def test_cancels_and_aborted_batches_end_requests_with_a_prefix_of_their_output(setup):

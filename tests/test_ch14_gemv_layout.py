@@ -151,6 +151,7 @@ def test_warps_split_k_on_narrow_matrices_and_keep_a_main_loop_step_each():
         assert warps == 1 or -(-K // G.KBLOCK) >= warps * G.UNROLL, name
 
 
+@pytest.mark.slow
 def test_the_switch_reads_the_environment():
     import subprocess
     import sys

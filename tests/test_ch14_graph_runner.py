@@ -8,7 +8,6 @@ disturb real rows, plug-ins that turn replay off, and whole serving runs with gr
 import numpy as np
 import pytest
 
-from engine.backend import cupy_unavailable_reason
 from engine.model.forward_pass import ForwardBatch, load_model
 from engine.model.kv_cache import KVCache
 from engine.model.random_model import write_random_model
@@ -24,7 +23,6 @@ from engine.runtime.cuda_graphs import (
     run_padded,
 )
 
-needs_gpu = pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
 PAGE = 4
 MAX_CONTEXT = 64
 
@@ -186,7 +184,6 @@ def assert_only_slots_changed(cache, k0, v0, slots):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])
 def test_graph_replay_matches_eager_for_every_bucket(tiny_dir, kind):
     """Rows 1..20 through buckets 1, 2, 4, 8, 16, 20: the replay equals the same padded step run
@@ -225,7 +222,6 @@ def test_graph_replay_matches_eager_for_every_bucket(tiny_dir, kind):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])
 def test_padding_rows_never_disturb_real_rows(tiny_dir, kind):
     """Five rows in the 8-row bucket: only their slots are written, and replaying them again after a
@@ -247,7 +243,6 @@ def test_padding_rows_never_disturb_real_rows(tiny_dir, kind):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_plugin_turns_replay_off(tiny_dir):
     import engine
     from engine.ops.rmsnorm import rmsnorm_ref
@@ -261,7 +256,6 @@ def test_plugin_turns_replay_off(tiny_dir):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])
 def test_serving_with_and_without_graphs(tiny_dir, kind):
     """Whole greedy runs (requests of different lengths: the batch shrinks through the buckets)."""

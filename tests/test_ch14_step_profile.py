@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 import engine.model.forward_pass as model_module
-from engine.backend import cupy_unavailable_reason
 from engine.bench.step_profile import TIMED, OpTimer, decode_batch_for, profile_decode, profile_records
 from engine.model.forward_pass import load_model
 from engine.model.kv_cache import KVCache
@@ -58,6 +57,7 @@ def test_profile_records(tiny_dir):
         assert r["gbps"] == pytest.approx(r["bytes"] / (r["ms"] * 1e-3) / 1e9, rel=0.02, abs=0.1)
 
 
+@pytest.mark.slow
 def test_bench_profile_and_oversubscribed(tiny_dir, tmp_path, capsys):
     from engine.bench.run import main
     out = tmp_path / "profile.json"
@@ -78,7 +78,6 @@ def test_bench_profile_and_oversubscribed(tiny_dir, tmp_path, capsys):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))
 def test_profile_on_gpu(tiny_dir):
     model = load_model(tiny_dir, backend="cupy", max_context=128)
     result = profile_decode(model, rows=4, context=100, reps=3)

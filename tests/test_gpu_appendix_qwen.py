@@ -7,10 +7,7 @@ serving paths); `python -m engine.kernel_bench rope` times the kernel fused and 
 import numpy as np
 import pytest
 
-from engine.backend import cupy_unavailable_reason
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
+pytestmark = pytest.mark.gpu   # skipped without a usable GPU (tests/conftest.py)
 
 
 def rel(a, b):

@@ -10,23 +10,8 @@ For the memory checker: compute-sanitizer --tool memcheck python -m pytest -m gp
 import numpy as np
 import pytest
 
-from engine.backend import cupy_unavailable_reason
-
-
-def _why_skip():
-    reason = cupy_unavailable_reason()
-    if reason is not None:
-        return reason
-    import cupy
-
-    from engine.backend import tensor_cores_usable
-    if not tensor_cores_usable(cupy.cuda.Device().id):
-        return "the GEMV kernel needs an sm_80+ GPU (bf16 mma.sync)"
-    return None
-
-
-SKIP = _why_skip()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=str(SKIP))]
+# skipped without a usable GPU, or below sm_80 (tests/conftest.py)
+pytestmark = pytest.mark.gpu(tensor_cores=True)
 
 def tol(K):
     """bf16 operands (exact in fp32), fp32 accumulation, against float64: kernel_bench's bound."""

@@ -7,10 +7,7 @@ For the memory checker: compute-sanitizer --tool memcheck python -m pytest -m gp
 import numpy as np
 import pytest
 
-from engine.backend import cupy_unavailable_reason
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
+pytestmark = pytest.mark.gpu   # skipped without a usable GPU (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

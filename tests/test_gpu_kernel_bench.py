@@ -6,11 +6,9 @@ so a new group added there is checked here without editing this file.
 """
 import pytest
 
-from engine.backend import cupy_unavailable_reason
 from engine.bench.kernels import ALL, Bench
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
+pytestmark = pytest.mark.gpu   # skipped without a usable GPU (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

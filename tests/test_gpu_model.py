@@ -6,10 +6,7 @@ the CuPy backend against the NumPy backend on the same weights, and every servin
 import numpy as np
 import pytest
 
-from engine.backend import cupy_unavailable_reason
-
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(cupy_unavailable_reason() is not None, reason=str(cupy_unavailable_reason()))]
+pytestmark = pytest.mark.gpu   # skipped without a usable GPU (tests/conftest.py)
 
 # every tiny preset whose head_dim the CUDA decode kernel takes (a power of two); the odd ones
 # (tiny-qwen2: 14, tiny-qwen3: 24, tiny-qwen3-mqa-untied: 10) are CPU oracle configs, refused on the GPU

@@ -93,6 +93,7 @@ ARCHS = {"flash_attention.cu": (90, 80, 75), "gemv.cu": (90, 80, 75)}
 CASES = [(s, d, a) for s in SOURCES for d in VARIANTS.get(s.name, [{}]) for a in ARCHS.get(s.name, (90, 75))]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ((NVRTC and INCLUDE) or NVCC), reason="neither NVRTC (+ CUDA headers) nor nvcc is available")
 @pytest.mark.parametrize("source,defines,arch", CASES, ids=[f"{s.relative_to(KERNELS)}{d or ''}-sm{a}" for s, d, a in CASES])
 def test_kernel_compiles(source, defines, arch):
@@ -119,6 +120,7 @@ def test_kernel_defaults_are_the_launch_constants(name):
     assert {k: defaults.get(k) for k in LAUNCH_CONSTANTS[name]} == {k: str(v) for k, v in LAUNCH_CONSTANTS[name].items()}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("source", SOURCES, ids=[str(s.relative_to(KERNELS)) for s in SOURCES])
 def test_kernel_compiles_with_plain_nvcc(source):

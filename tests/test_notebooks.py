@@ -8,10 +8,18 @@ import pytest
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 NOTEBOOKS = sorted(CHAPTERS.glob("*.ipynb")) + sorted((CHAPTERS / "solutions").glob("*.ipynb"))
+# the one notebook of the fast subset (`-m "not slow"`): a few seconds; the others take from ten
+# seconds to a few minutes on a CPU (the real model generating)
+FAST = {"01_safetensors.ipynb"}
+
+
+def _param(path: Path):
+    name = path.relative_to(CHAPTERS).as_posix()
+    return pytest.param(path, id=name, marks=() if name in FAST else pytest.mark.slow)
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.relative_to(CHAPTERS).as_posix() for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", [_param(p) for p in NOTEBOOKS])
 def test_notebook_runs(path, default_model_dir):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -46,6 +46,7 @@ def test_blocker_really_blocks(no_network):
         subprocess.run(["pip", "--version"])
 
 
+@pytest.mark.slow
 def test_prefetch_then_offline(cached_model, no_network, capsys):
     assert prefetch.main(["--backend", "numpy"]) == 0
     assert no_network == []

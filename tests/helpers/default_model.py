@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +23,43 @@ Q = gguf.GGMLQuantizationType
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
+    """Once per test process; parallel workers (pytest -n) take turns on a lock file next to the
+    cache, so the first one converts and the others find the finished directory."""
     import engine
-    return engine.ensure_default_model()
+    from engine.model.default_model import MODEL_NAME, cache_root
+    if os.environ.get("ENGINE_MODEL_DIR"):     # a directory given: nothing to convert
+        return engine.ensure_default_model()
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / f".{MODEL_NAME}.lock"):
+        return engine.ensure_default_model()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock between processes (released when the holder exits, even killed)."""
+    with open(path, "a+b") as f:
+        if os.name == "nt":
+            import msvcrt
+            f.seek(0)
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)   # retries for 10 s, then raises
+                    break
+                except OSError:
+                    continue
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
