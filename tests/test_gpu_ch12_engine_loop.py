@@ -27,7 +27,7 @@ def test_graph_decode_equals_eager_decode(model_dir, kv_cache):
     eager = LLM(model_dir, backend="cupy", kv_cache=kv_cache, max_context=256, max_seqs=4, cuda_graphs=False)
     got = [graph.generate([p], params)[0].token_ids for p in prompts]
     assert graph.decode_graphs.replays >= 2 * (params.max_new_tokens - 2)
-    assert eager.decode_graphs.replays == 0 and eager._decode_graph is None
+    assert eager.decode_graphs.replays == 0 and eager.decode_graphs.captured == []
     want = [eager.generate([p], params)[0].token_ids for p in prompts]
     assert got == want
 
