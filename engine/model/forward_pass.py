@@ -105,6 +105,20 @@ class ForwardBatch:
                    None if logits_rows is None else np.asarray(logits_rows, dtype=np.int32))
 
 
+def check_token_ids(token_ids, vocab_size: int) -> np.ndarray:
+    """A prompt's ids as int32 [T], else ValueError: a non-empty 1-D sequence of integers (no bools)
+    in [0, vocab_size). The one check of ids given by a caller (Model.logits, ChatSession, LLM and
+    RemoteLLM through engine/runtime/request.py)."""
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError("token ids must be a non-empty 1-D sequence")
+    if any(isinstance(t, (bool, np.bool_)) for t in token_ids) or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got min {ids.min()} max {ids.max()}")
+    return ids.astype(np.int32)
+
+
 def check_vocab_fits(tokenizer, config: LlamaConfig) -> None:
     """Refuse a tokenizer that can produce ids the embedding table has no row for (an added token,
     or a converted vocabulary longer than the model's). A shorter vocabulary is fine: many models
@@ -145,14 +159,7 @@ class Model:
         self.rope_positions = size
 
     def validate_tokens(self, token_ids) -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError("token ids must be a non-empty 1-D sequence")
-        if any(isinstance(t, (bool, np.bool_)) for t in token_ids) or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got min {ids.min()} max {ids.max()}")
-        return ids.astype(np.int32)
+        return check_token_ids(token_ids, self.config.vocab_size)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: KVCache | None = None):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.model.forward_pass import check_token_ids
 from engine.runtime.sampling_params import SamplingParams
 from engine.text.tokenizer import IncrementalDetokenizer
 
@@ -48,17 +49,8 @@ def prepare_prompt(prompt, params, tokenizer, vocab_size: int) -> tuple[list[int
             raise ValueError("this model directory has no tokenizer.json: pass token ids")
         prompt = tokenizer.encode(prompt, add_special_tokens=True)
     if not isinstance(prompt, np.ndarray):
-        prompt = list(prompt)
-    ids = np.asarray(prompt)
-    if ids.ndim != 1 or ids.size == 0:
-        raise ValueError("token ids must be a non-empty 1-D sequence")
-    if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer) \
-            or any(isinstance(t, (bool, np.bool_)) for t in prompt):
-        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size}), got min {ids.min()} max {ids.max()}")
-    ids = ids.tolist()
-    return ids, params
+        prompt = list(prompt)        # a generator is read once
+    return check_token_ids(prompt, vocab_size).tolist(), params
 
 
 @dataclass(frozen=True)
@@ -114,7 +106,8 @@ class HandleHub:
                 self.cond.notify_all()
         wake_all(listeners)
 
-    def _woken(self, listeners: list) -> None:
+    def wake_later(self, listeners: list) -> None:
+        """Wake these readers when the current publish() ends (a producer method's last step)."""
         if self._wake is None:
             raise RuntimeError("a request handle is written only inside HandleHub.publish()")
         self._wake += listeners
@@ -285,21 +278,21 @@ class RequestHandle:
         self._tokens += tokens
         if texts and self._texts is not None:
             self._texts += texts
-        self._hub._woken(self._listeners)
+        self._hub.wake_later(self._listeners)
 
     def finish(self, end: tuple[list[int], str | None, str], output: RequestOutput) -> None:
         """The last event (its tokens, its text or None to detokenize here, the finish reason) and the output."""
         self._end, self._output = end, output
-        self._hub._woken(self._listeners)
+        self._hub.wake_later(self._listeners)
 
     def fail(self, error: BaseException) -> None:
         self._error = error
-        self._hub._woken(self._listeners)
+        self._hub.wake_later(self._listeners)
 
     def accept(self) -> None:
         """A remote engine took the request (accepted() returns)."""
         self._accepted = True
-        self._hub._woken(self._listeners)
+        self._hub.wake_later(self._listeners)
 
     def handed_over(self, start: int) -> tuple[list[int], list[str] | None, bool]:
         """(tokens[start:], their texts or None, done): what a forwarder relays (under the hub's condition)."""
