@@ -1,5 +1,6 @@
-"""Chapter 11 exercises: the page-table lookup, the pages a request can need, and the online
-softmax (one key at a time, then merging two partial states, as the split-K kernel does)."""
+"""Chapter 11 exercises: the page-table lookup, the pages a request can need, paged attention in NumPy
+(plugged into the real model's decode steps), and the online softmax (one key at a time, then merging
+two partial states, as the split-K kernel does)."""
 from __future__ import annotations
 
 import math
@@ -37,6 +38,145 @@ def check_slot_of(fn: Callable[[list, int, int], int]) -> bool:
              ("the table was indexed by the offset and the page by the quotient, the wrong way round",
               lambda t, p, bs: t[p % bs] * bs + p // bs)]
     return check_cases("slot_of", fn, cases, hints=hints)
+
+
+# ----------------------------------------------------------------------------- paged attention in NumPy
+
+def _paged_variant(q, k_cache, v_cache, page_tables, seq_idx, positions, scale, *, where=None, head_of=None,
+                   context=None, table_row=None):
+    """Paged attention written key by key, with one piece swappable: what a learner's version computes.
+    where(table, j, page_size) -> (page, offset) of key j; head_of(h, Hq, Hkv) -> the KV head of query
+    head h; context(position, table, page_size) -> how many keys the row reads; table_row(r, seq) -> the
+    row of page_tables it uses."""
+    R, Hq, D = q.shape
+    PS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    where = where or (lambda table, j, ps: (table[j // ps], j % ps))
+    head_of = head_of or (lambda h, hq, hkv: h // (hq // hkv))
+    context = context or (lambda pos, table, ps: pos + 1)
+    table_row = table_row or (lambda r, seq: seq)
+    out = np.empty((R, Hq, D), dtype=np.float32)
+    for r in range(R):
+        table = page_tables[table_row(r, int(seq_idx[r]))]
+        n = int(context(int(positions[r]), table, PS))
+        slots = [where(table, j, PS) for j in range(n)]
+        pages, offsets = np.array([p for p, _ in slots], dtype=np.int64), np.array([o for _, o in slots], np.int64)
+        keys, values = k_cache[pages, offsets], v_cache[pages, offsets]          # [n, Hkv, D]
+        for h in range(Hq):
+            g = head_of(h, Hq, Hkv)
+            s = keys[:, g] @ q[r, h] * np.float32(scale)
+            p = np.exp(s - s.max())
+            out[r, h] = p @ values[:, g] / p.sum()
+    return out
+
+
+def _paged_case(rng, Hq: int, Hkv: int, D: int, page_size: int, contexts: list, rows_per_seq: int = 1,
+                width: int | None = None):
+    """Sequences of the given lengths in shuffled pages of a cache whose every slot holds data (what a
+    row must not read is not zero); `rows_per_seq` > 1 gives a sequence several query rows at
+    consecutive positions (a prompt appended to its cached prefix). Tables are padded with -1."""
+    S = len(contexts)
+    per_seq = [-(-c // page_size) for c in contexts]
+    width = max(width or 0, max(per_seq))
+    num_pages = sum(per_seq) + 3
+    order = rng.permutation(num_pages).astype(np.int32)
+    tables = np.full((S, width), -1, dtype=np.int32)
+    start = 0
+    for s, n in enumerate(per_seq):
+        tables[s, :n] = order[start:start + n]
+        start += n
+    k_cache = rng.standard_normal((num_pages, page_size, Hkv, D), dtype=np.float32)
+    v_cache = rng.standard_normal((num_pages, page_size, Hkv, D), dtype=np.float32)
+    seq_idx, positions = [], []
+    for s, c in enumerate(contexts):
+        for i in range(min(rows_per_seq, c)):
+            seq_idx.append(s)
+            positions.append(c - min(rows_per_seq, c) + i)
+    order_rows = rng.permutation(len(seq_idx))                                   # rows in any order
+    seq_idx = np.array(seq_idx, dtype=np.int32)[order_rows]
+    positions = np.array(positions, dtype=np.int32)[order_rows]
+    q = rng.standard_normal((len(seq_idx), Hq, D), dtype=np.float32)
+    return q, k_cache, v_cache, tables, seq_idx, positions, D ** -0.5
+
+
+PAGED_HINTS = [
+    ("the page index and the token offset were swapped: key j is at page table[j // page_size], offset "
+     "j % page_size", lambda *a: _paged_variant(*a, where=lambda t, j, ps: (t[j % ps], j // ps))),
+    ("the row read past its sequence's length: the rest of the last page holds other data (or nothing "
+     "yet); read keys 0..positions[r] only",
+     lambda *a: _paged_variant(*a, context=lambda pos, t, ps: -(-(pos + 1) // ps) * ps)),
+    ("query head h read KV head h % n_kv; the heads of one group are neighbours: KV head h // (Hq // Hkv)",
+     lambda *a: _paged_variant(*a, head_of=lambda h, hq, hkv: h % hkv)),
+    ("the row's own position was left out: row r attends to positions 0..positions[r], inclusive",
+     lambda *a: _paged_variant(*a, context=lambda pos, t, ps: pos)),
+    ("the page table was ignored: key j is not at slot j of the pool (the pages are anywhere)",
+     lambda *a: _paged_variant(*a, where=lambda t, j, ps: (j // ps, j % ps))),
+    ("row r used page table r; the table of a row is page_tables[seq_idx[r]]",
+     lambda *a: _paged_variant(*a, table_row=lambda r, seq: r)),
+    ("the scores were not multiplied by scale",
+     lambda q, kc, vc, t, si, p, scale: _paged_variant(q, kc, vc, t, si, p, 1.0)),
+]
+
+
+def _paged_cases():
+    rng = np.random.default_rng(111)
+    shapes = [  # (Hq, Hkv, D, page_size, contexts, rows_per_seq, table width)
+        (6, 2, 8, 5, [9, 22, 4], 1, 6),          # keys < page_size², a table wider than a page: every mistake runs
+        (6, 2, 16, 16, [37, 16, 1, 50], 1, None),
+        (8, 2, 8, 5, [23, 7], 4, None),           # several rows per sequence (a prompt after its prefix)
+        (4, 4, 8, 3, [10, 1, 3], 1, None),        # no GQA
+        (9, 3, 4, 7, [70, 15, 8, 29], 1, 12),
+        (2, 1, 32, 16, [200], 3, None),           # one KV head for every query head
+    ]
+    for Hq, Hkv, D, ps, ctxs, rows, width in shapes:
+        args = _paged_case(rng, Hq, Hkv, D, ps, ctxs, rows, width)
+        yield args, _paged_variant(*args)
+
+
+def check_paged_attention(fn: Callable) -> bool:
+    """fn(q [R, Hq, D], k_cache [NP, PS, Hkv, D], v_cache, page_tables [S, MP], seq_idx [R], positions [R],
+    scale) -> [R, Hq, D]: row r attends to positions 0..positions[r] of sequence seq_idx[r], whose key j
+    is at page page_tables[seq, j // PS], offset j % PS; query head h reads KV head h // (Hq // Hkv).
+    The engine's signature for the paged_attention stage (engine/plugins.py)."""
+    from engine.exercises.ch03 import run_array_checks
+    return run_array_checks("paged_attention", fn, list(_paged_cases()), rtol=1e-4, atol=1e-5, hints=PAGED_HINTS)
+
+
+def check_paged_attention_in_llm(fn: Callable, max_new_tokens: int = 12) -> bool:
+    """The default model (SmolLM2, NumPy backend) answers three chat prompts through engine.LLM with a paged
+    cache of 16-token pages while your function is its paged_attention stage: every decode step reads
+    K/V through your code. The same tokens as the engine's own attention, request by request."""
+    import engine
+    from engine.exercises.serving_check import default_chat_prompts
+    title = "your paged_attention inside engine.LLM"
+    model_dir, prompts = default_chat_prompts()
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    llm = engine.LLM(model_dir, backend="numpy", kv_cache="paged", kv_cache_mib=5.0, max_seqs=3, max_context=256)
+    want = llm.generate(prompts, params)
+    calls = [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return fn(*args)
+    try:
+        with engine.use_stage("paged_attention", counted):
+            got = llm.generate(prompts, params)
+    except NotImplementedError:
+        print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
+        return False
+    except Exception as e:  # the learner's bug, shown rather than raised
+        print(f"[x] {title}: it raised {type(e).__name__}: {e}")
+        return False
+    for i, (mine, real) in enumerate(zip(got, want, strict=True)):
+        if mine.token_ids != real.token_ids:
+            first = next(j for j, (a, b) in enumerate(zip(mine.token_ids + [-1], real.token_ids + [-1])) if a != b)
+            print(f"[x] {title}: request {i} first differs at generated token {first}: {mine.text!r}\n"
+                  f"    with the engine's attention: {real.text!r}")
+            return False
+    print(f"[OK] {title}: {calls[0]} calls (one per layer per decode step), the same tokens for all "
+          f"{len(prompts)} requests")
+    for i, r in enumerate(got):
+        print(f"    request {i}: {r.text!r}")
+    return True
 
 
 # ----------------------------------------------------------------------------- pages per request
