@@ -28,8 +28,12 @@ import functools
 import json
 import math
 import mmap
+import operator
 import os
 import secrets
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +44,7 @@ from engine.backend import bf16_to_f32, f32_to_bf16
 __all__ = [
     "DTYPES", "SafetensorsError", "TensorNotFoundError", "TensorInfo", "SafetensorsFile",
     "safe_open", "load_file", "save_file", "Checkpoint", "open_checkpoint",
-    "MAX_HEADER_LENGTH", "SINGLE_FILE", "INDEX_FILE",
+    "MAX_HEADER_LENGTH", "SINGLE_FILE", "INDEX_FILE", "use_header_reader",
 ]
 
 # The reference implementation refuses headers above 100 MB; so do we, before allocating anything.
@@ -248,6 +252,73 @@ def _check_layout(infos: list[TensorInfo], data_len: int) -> list[TensorInfo]:
     return ordered
 
 
+# ----------------------------------------------------------------------------- a reader of your own
+
+# The header reader a learner plugs in (chapter 01), or None for the engine's own. Read once per opened file.
+_HEADER_READER: Callable | None = None
+_HEADER_READER_LOCK = threading.Lock()
+
+
+@contextmanager
+def use_header_reader(fn: Callable) -> Iterator[None]:
+    """For the span of the block, every safetensors file this module opens (safe_open, load_file,
+    open_checkpoint, and so engine.load_model) finds its tensors with `fn` instead of the engine's parser.
+
+    fn(data) -> {name: (dtype, shape, start, stop)}: `data` is the whole file (an mmap: len() and slicing
+    to bytes work), start/stop are the tensor's byte positions in the FILE, and fn raises ValueError for
+    a file that breaks the format. The engine still refuses a table it cannot read safely (an unknown
+    dtype, a range outside the file, a size that disagrees with the shape); every other check is fn's.
+    Blocks nest; the reader is process-wide while a block is open.
+    """
+    global _HEADER_READER
+    if not callable(fn):
+        raise TypeError(f"use_header_reader needs a function, got {type(fn).__name__}")
+    with _HEADER_READER_LOCK:
+        previous, _HEADER_READER = _HEADER_READER, fn
+    try:
+        yield
+    finally:
+        with _HEADER_READER_LOCK:
+            _HEADER_READER = previous
+
+
+def _infos_from_reader(fn: Callable, data, file_size: int) -> tuple[int, list[TensorInfo]]:
+    """(data start, infos) from a plugged-in reader's table, refusing what cannot be read safely."""
+    try:
+        table = fn(data)
+    except ValueError as e:
+        raise SafetensorsError(f"your header reader refused the file: {e}") from None
+    if not isinstance(table, dict):
+        raise SafetensorsError(f"your header reader returned {type(table).__name__}, not a dict "
+                               "{name: (dtype, shape, start, stop)}")
+    rows = []
+    for name, row in table.items():
+        try:
+            dtype, shape, start, stop = row
+            shape = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise SafetensorsError(f"your header reader gave tensor {name!r} the entry {row!r}; "
+                                   "expected (dtype, shape, start, stop)") from None
+        if dtype not in DTYPES:
+            raise SafetensorsError(f"your header reader gave tensor {name!r} the unknown dtype {dtype!r}")
+        try:
+            start, stop = operator.index(start), operator.index(stop)   # ints, NumPy ints too; not floats
+        except TypeError:
+            raise SafetensorsError(f"your header reader gave tensor {name!r} the positions {start!r}, {stop!r}; "
+                                   "expected integers") from None
+        if not 0 <= start <= stop <= file_size:
+            raise SafetensorsError(f"your header reader put tensor {name!r} at bytes [{start}, {stop}), "
+                                   f"outside the {file_size}-byte file")
+        if math.prod(shape) * DTYPES[dtype][1] != stop - start:
+            raise SafetensorsError(f"your header reader gave tensor {name!r} shape {shape} of {dtype} "
+                                   f"but {stop - start} bytes")
+        rows.append((name, dtype, shape, start, stop))
+    data_start = min((r[3] for r in rows), default=file_size)
+    infos = [TensorInfo(name, dtype, shape, start - data_start, stop - data_start)
+             for name, dtype, shape, start, stop in rows]
+    return data_start, sorted(infos, key=lambda i: (i.begin, i.end))
+
+
 # ----------------------------------------------------------------------------- reading
 
 class SafetensorsFile:
@@ -255,14 +326,19 @@ class SafetensorsFile:
 
     def __init__(self, path):
         self.path = Path(path)
+        reader = _HEADER_READER
         try:
             with open(self.path, "rb") as f:
                 self.file_size = os.fstat(f.fileno()).st_size
-                self.header_length, infos, self.metadata = self._read_header(f)
-                self.data_start = 8 + self.header_length
+                if reader is None:
+                    self.header_length, infos, self.metadata = self._read_header(f)
+                    self.data_start = 8 + self.header_length
                 # Map the whole file read-only. The mapping keeps its own handle on the file, and
                 # NumPy views keep the mapping alive (array.base), so closing f here is safe.
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else None
+                if reader is not None:
+                    self.data_start, infos = _infos_from_reader(reader, self._mmap or b"", self.file_size)
+                    self.header_length, self.metadata = max(0, self.data_start - 8), {}
         except SafetensorsError as e:
             raise SafetensorsError(f"{self.path}: {e}") from None
         except OSError as e:

@@ -23,13 +23,17 @@ import codecs
 import functools
 import heapq
 import json
+import threading
+import types
 import unicodedata
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import regex
 
 __all__ = ["Tokenizer", "TokenizerError", "IncrementalDetokenizer", "load_tokenizer", "bytes_to_unicode", "byte_chars",
-           "bpe_merge"]
+           "bpe_merge", "use_merge_loop"]
 
 
 class TokenizerError(ValueError):
@@ -246,6 +250,32 @@ def bpe_merge(ids: list[int], merges: dict[tuple[int, int], tuple[int, int]], tr
     return [s for s, a in zip(symbol, alive, strict=True) if a]
 
 
+# The merge loop a learner plugs in (chapter 02), or None for bpe_merge. Read once per encode() call.
+_MERGE_LOOP: Callable | None = None
+_MERGE_LOOP_LOCK = threading.Lock()
+
+
+@contextmanager
+def use_merge_loop(fn: Callable) -> Iterator[None]:
+    """For the span of the block, every Tokenizer.encode merges each pre-token with `fn` instead of bpe_merge.
+
+    fn(symbols, ranks) -> symbols: `symbols` is the pre-token as byte-map strings, one per byte
+    (list("Ġtokenizer")), `ranks` the merge table {(left, right): rank} (read-only), and the result the
+    tokens it merges into, each of which must be in the vocabulary. The per-piece cache is bypassed, so
+    fn runs on every piece of every call. Blocks nest; the loop is process-wide while a block is open.
+    """
+    global _MERGE_LOOP
+    if not callable(fn):
+        raise TypeError(f"use_merge_loop needs a function, got {type(fn).__name__}")
+    with _MERGE_LOOP_LOCK:
+        previous, _MERGE_LOOP = _MERGE_LOOP, fn
+    try:
+        yield
+    finally:
+        with _MERGE_LOOP_LOCK:
+            _MERGE_LOOP = previous
+
+
 def _parse_merges(raw: list, vocab: dict[str, int]) -> dict[tuple[int, int], tuple[int, int]]:
     """merges in either form ("a b" or ["a", "b"]) -> {(id_a, id_b): (rank, id_ab)}; a later duplicate wins."""
     pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in raw]
@@ -390,6 +420,7 @@ class Tokenizer:
         # character (an added token like "<tool call>") is taken as its raw UTF-8, as `tokenizers` does.
         self._token_bytes = {i: _token_to_bytes(t) for i, t in self._id_to_token.items()}
         self._bpe_word = functools.lru_cache(maxsize=1 << 16)(self._bpe_word_uncached)
+        self._merge_ranks_view: types.MappingProxyType | None = None   # built on first use_merge_loop encode
 
         config = config or {}
         self.special_tokens_map = {role: content for role in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -443,13 +474,15 @@ class Tokenizer:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise TokenizerError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
         limit = None if max_tokens is None else max_tokens - len(self._post_process([])) * add_special_tokens
+        merge_loop = _MERGE_LOOP
+        bpe_word = self._bpe_word if merge_loop is None else functools.partial(self._bpe_word_through, merge_loop)
         ids: list[int] = []
         for chunk, added_id in self._added.split(text, self._normalize):
             if added_id is not None:
                 ids.append(added_id)
             else:
                 for piece in self._iter_pieces(chunk):
-                    ids.extend(self._bpe_word(piece))
+                    ids.extend(bpe_word(piece))
                     if limit is not None and len(ids) > limit:
                         break
             if limit is not None and len(ids) > limit:
@@ -481,6 +514,28 @@ class Tokenizer:
         except KeyError:
             ids = self._initial_ids_with_missing_bytes(word)
         return tuple(bpe_merge(ids, self._merges))
+
+    def _bpe_word_through(self, merge_loop: Callable, piece: str) -> tuple[int, ...]:
+        """_bpe_word_uncached with a plugged-in merge loop (use_merge_loop) in place of bpe_merge."""
+        word = byte_chars(piece)
+        if self._ignore_merges and word in self.vocab:
+            return (self.vocab[word],)
+        try:
+            ids = [self.vocab[c] for c in word]
+        except KeyError:
+            ids = self._initial_ids_with_missing_bytes(word)
+        if self._merge_ranks_view is None:
+            self._merge_ranks_view = types.MappingProxyType(self.merge_ranks())
+        merged = merge_loop([self._id_to_token[i] for i in ids], self._merge_ranks_view)
+        if not isinstance(merged, (list, tuple)):
+            raise TokenizerError(f"the merge loop turned {word!r} into a {type(merged).__name__}; it must return "
+                                 "the list of symbols")
+        try:
+            return tuple(self._token_to_id[symbol] for symbol in merged)
+        except (KeyError, TypeError):
+            bad = next((s for s in merged if not isinstance(s, str) or s not in self._token_to_id), merged)
+            raise TokenizerError(f"the merge loop turned {word!r} into {list(merged)!r}: {bad!r} is not a "
+                                 "token of the vocabulary") from None
 
     def merge_steps(self, piece: str) -> list[tuple[int, str, str, list[str]]]:
         """The merges BPE applies to one pre-token, in order: [(rank, left, right, symbols after)].
