@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.scheduler import Scheduler
 
 # What a step log entry must agree on (timings and the entry's own counters are left out).
 STEP_FIELDS = ("kind", "request_ids", "admitted", "preempted", "recomputed_tokens", "finished", "running",
@@ -35,6 +36,23 @@ def compare_step_logs(title: str, got: Sequence[Mapping[str, Any]], want: Sequen
     return True
 
 
+class StepCapReached(RuntimeError):
+    """A learner's class kept engine.LLM stepping far past the steps the engine's classes need."""
+
+
+def step_capped(cls: type[Scheduler], max_steps: int) -> type[Scheduler]:
+    """`cls` with a bound on its steps: schedule() raises StepCapReached once max_steps batches ran, so
+    that a scheduler (or allocator) that never finishes the workload fails engine.LLM.generate instead
+    of running forever. (A scheduler that returns no batch while requests are unfinished is refused
+    by the engine loop itself.)"""
+
+    def schedule(self):
+        if len(self.step_log) >= max_steps:
+            raise StepCapReached(f"{len(self.step_log)} steps ran and requests are still unfinished")
+        return cls.schedule(self)
+    return type(cls.__name__, (cls,), {"schedule": schedule, "__doc__": cls.__doc__})
+
+
 def run_llm(model_dir, prompts, params, *, kv_cache_mib: float, admission: str, max_seqs: int,
             chunked_prefill: bool = True, **classes):
     """(token ids per request, step log, texts) of engine.LLM with the given classes."""
@@ -50,10 +68,16 @@ def check_llm_with(title: str, model_dir, prompts, params, *, kv_cache_mib: floa
     """engine.LLM with your classes vs with the engine's: the same tokens for every request, the same step log."""
     want_tokens, want_log, _ = run_llm(model_dir, prompts, params, kv_cache_mib=kv_cache_mib,
                                        admission=admission, max_seqs=max_seqs, chunked_prefill=chunked_prefill)
+    cap = 4 * len(want_log) + 20
+    classes = dict(classes, scheduler_cls=step_capped(classes.get("scheduler_cls", Scheduler), cap))
     try:
         got_tokens, got_log, texts = run_llm(model_dir, prompts, params, kv_cache_mib=kv_cache_mib,
                                              admission=admission, max_seqs=max_seqs,
                                              chunked_prefill=chunked_prefill, **classes)
+    except StepCapReached as e:
+        print(f"[x] {title}: engine.LLM with your class makes no progress: {e} (the engine's classes "
+              f"finish in {len(want_log)} steps)")
+        return False
     except NotImplementedError:
         print(f"[ ] {title}: not attempted yet (a method still raises NotImplementedError)")
         return False
