@@ -104,11 +104,11 @@ def _read_tail(path: Path) -> tuple[str, int]:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         skipped = max(0, size - MAX_FILE_BYTES)
-        f.seek(skipped)
-        data = f.read(MAX_FILE_BYTES)
-    if skipped:
+        f.seek(max(0, skipped - 1))
+        data = f.read(MAX_FILE_BYTES + (skipped > 0))
+    if skipped:      # data starts one byte early: a newline there means the tail starts with a whole line
         cut = data.find(b"\n")
-        skipped += len(data) if cut < 0 else cut + 1
+        skipped += max(0, cut)
         data = b"" if cut < 0 else data[cut + 1:]
     return data.decode("utf-8", errors="replace"), skipped
 
@@ -138,7 +138,7 @@ def read_room(source: Path | str) -> Room:
             continue
         room.bytes_not_read += not_read
         name = safe_name(path.name[:-len(".jsonl")] if path.name.endswith(".jsonl") else path.stem)
-        _add_lines(room, name, text.splitlines())
+        _add_lines(room, name, text.split("\n"))     # not splitlines(): a record may hold U+2028 or U+0085
     return room
 
 
