@@ -47,8 +47,9 @@ def step_capped(cls: type[Scheduler], max_steps: int) -> type[Scheduler]:
     by the engine loop itself.)"""
 
     def schedule(self):
-        if len(self.step_log) >= max_steps:
-            raise StepCapReached(f"{len(self.step_log)} steps ran and requests are still unfinished")
+        steps = self.num_steps          # completed steps (the engine loop drains step_log as it goes)
+        if steps >= max_steps:
+            raise StepCapReached(f"{steps} steps ran and requests are still unfinished")
         return cls.schedule(self)
     return type(cls.__name__, (cls,), {"schedule": schedule, "__doc__": cls.__doc__})
 
