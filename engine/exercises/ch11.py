@@ -148,6 +148,9 @@ def check_paged_attention_in_llm(fn: Callable, max_new_tokens: int = 12) -> bool
     import engine
     from engine.exercises.serving_check import default_chat_prompts
     title = "your paged_attention inside engine.LLM"
+    ok, _ = call_learner(title, "paged_attention on a small case", fn, *next(_paged_cases())[0])
+    if not ok:                                   # not attempted (or broken): say so before loading the model
+        return False
     model_dir, prompts = default_chat_prompts()
     params = SamplingParams(max_new_tokens=max_new_tokens)
     llm = engine.LLM(model_dir, backend="numpy", kv_cache="paged", kv_cache_mib=5.0, max_seqs=3, max_context=256)

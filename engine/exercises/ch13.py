@@ -270,15 +270,20 @@ def check_flash_attention(fn: Callable) -> bool:
 
 
 def answer_through_flash_attention(fn: Callable, prompt: str = "What is the capital of France?",
-                                   max_new_tokens: int = 10, block_q: int = 16, block_k: int = 16):
+                                   max_new_tokens: int = 10, block_q: int = 16, block_k: int = 16) -> bool:
     """The default model (SmolLM2, NumPy) answers `prompt` with your flash attention as its prefill attention:
     every token is a full causal pass (`model.logits`, no cache) whose 30 layers attend through
     fn(q, k, v, scale, block_q, block_k), the chapter 06 'attention' stage of engine/plugins.py. Prints the
-    answer and whether it is token for token the engine's (greedy). Returns the generated token ids."""
+    answer and whether it is token for token the engine's (greedy); True when it is."""
     import engine
     from engine.exercises.model_check import _default_model
     from engine.runtime.chat_session import ChatSession
     title = "your flash_attention inside SmolLM2"
+    rng = np.random.default_rng(0)
+    ok, _ = call_learner(title, "flash_attention on a small case", fn,
+                         *(rng.standard_normal((5, H, 4), dtype=np.float32) for H in (2, 1, 1)), 0.5, 2, 2)
+    if not ok:                                   # not attempted (or broken): say so before loading the model
+        return False
     model, tok = _default_model(None, 256)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
     params = engine.SamplingParams(max_new_tokens=max_new_tokens)
@@ -292,10 +297,10 @@ def answer_through_flash_attention(fn: Callable, prompt: str = "What is the capi
                     break
     except NotImplementedError:
         print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
-        return got
+        return False
     except Exception as e:  # the learner's bug, shown rather than raised
         print(f"[x] {title}: it raised {type(e).__name__}: {e}")
-        return got
+        return False
     text = tok.decode(got, skip_special_tokens=True)
     if got != want:
         print(f"[x] {title}: generated token {len(got) - 1} differs from the engine's ({got[-1]} vs "
@@ -304,7 +309,7 @@ def answer_through_flash_attention(fn: Callable, prompt: str = "What is the capi
         print(f"[OK] {title}: {len(got)} tokens, each from a full causal pass through your tiles "
               f"(block_q={block_q}, block_k={block_k}), the same as the engine's")
     print(f"    {prompt!r} -> {text!r}")
-    return got
+    return got == want
 
 
 def _unmasked(q, k, v, scale):
