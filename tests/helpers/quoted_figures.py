@@ -4,7 +4,7 @@ The prose: README.md, notes/*.md and the markdown cells of chapters/**/*.ipynb. 
 with a unit that a GPU run produces: tok/s, TFLOP/s, GB/s, TB/s, GiB/s, MB/s, µs/us, ms, s, and a % or
 a × ratio next to a word that ties it to a run (copy bandwidth, floor, GEMM rate, transformers, ...).
 Every figure the scanner finds must carry a marker, an HTML comment (invisible in rendered Markdown
-and in JupyterLab) placed after it on the same line:
+and in JupyterLab) placed after it:
 
     770 tok/s<!--fig decode.b1.llm_tok_s-->           the figure named in notes/measurements/figures.json
     4.1–4.2 TB/s and 1.84 ms<!--fig h200.copy_tbs_range profile.b64.graph_ms-->
@@ -12,7 +12,9 @@ and in JupyterLab) placed after it on the same line:
     28 ms per token on 2 cores<!--nofig cpu run-->      not a GPU measurement (a CPU run, arithmetic
                                                        on the spec sheet); the reason is required
 
-A marker covers the figures between the previous marker on that line (or the line's start) and itself.
+A marker covers the figures between the previous marker of the same paragraph (or the paragraph's
+start) and itself; a table row, a wrapped sentence or a whole paragraph can share one marker. A figure
+still uncovered when its paragraph ends (a blank line, the end of a cell) fails.
 A named figure reads its value from a recorded file under notes/measurements/ or
 engine/exercises/recorded/ (figures.json says how: a JSON/JSON-lines row and key, a regular expression
 over a text file, or arithmetic on other figures), so re-recording a file re-checks every sentence that
@@ -49,9 +51,10 @@ _UNITS = {   # text unit -> (dimension, scale to the dimension's base)
     "TFLOP/s": ("flops", 1.0), "TFLOPS": ("flops", 1.0),
     "MB/s": ("bw", 1e-3), "GB/s": ("bw", 1.0), "TB/s": ("bw", 1e3), "GiB/s": ("bw", 2**30 / 1e9),
     "µs": ("time", 1e-3), "us": ("time", 1e-3), "ms": ("time", 1.0), "s": ("time", 1e3),
-    "%": ("pct", 1.0), "×": ("ratio", 1.0),
+    "%": ("pct", 1.0), "×": ("ratio", 1.0), "x": ("ratio", 1.0),
+    "count": ("count", 1.0),      # a registry unit only (kernel launches, steps): never detected in prose
 }
-_UNIT_RE = r"tok/s|tokens/s|TFLOP/s|TFLOPS|MB/s|GB/s|TB/s|GiB/s|µs|us\b|ms\b|s\b(?![/-])|%|×"
+_UNIT_RE = r"tok/s|tokens/s|TFLOP/s|TFLOPS|MB/s|GB/s|TB/s|GiB/s|µs|us\b|ms\b|s\b(?![/-])|%|×|x\b"
 FIGURE_RE = re.compile(
     rf"(?<![\w.\-/])(?P<a>{_NUM})(?:\s*(?:–|-|to)\s*(?P<b>{_NUM}))?(?P<k>k)?\s?(?P<unit>{_UNIT_RE})")
 # "a / b / c unit": each number of the list is a figure in that unit
@@ -92,7 +95,7 @@ def find_quotes(line: str) -> list[tuple[int, Quote | None, re.Match]]:
     measured = bool(_RATIO_CONTEXT.search(bare))
     for m in LIST_RE.finditer(bare):
         unit = m.group("unit")
-        if unit in ("%", "×") and not measured:
+        if unit in ("%", "×", "x") and not measured:
             continue
         for n in re.finditer(_NUM, m.group(0)[: m.start("unit") - m.start()]):
             a, ta = _parse_number(n.group(0))
@@ -100,10 +103,12 @@ def find_quotes(line: str) -> list[tuple[int, Quote | None, re.Match]]:
     bare = LIST_RE.sub(lambda m: " " * len(m.group(0)), bare)
     for m in FIGURE_RE.finditer(bare):
         unit = m.group("unit")
-        if unit in ("%", "×") and not measured:
+        if unit in ("%", "×", "x") and not measured:
             continue
         if unit == "s" and m.group("k"):
             continue
+        if unit in ("×", "x") and (bare[m.start("unit") - 1].isspace() or re.match(r"\s*[\d(]", bare[m.end():])):
+            continue        # "2 × 16", "4×(…)": a product, not a measured ratio
         a, ta = _parse_number(m.group("a"))
         b, tb = _parse_number(m.group("b")) if m.group("b") else (a, ta)
         mult = 1000.0 if m.group("k") else 1.0
@@ -281,8 +286,19 @@ def _problem(msg: str, quote: Quote | None = None) -> Problem:
 def check_lines(lines, reg: Registry) -> list[Problem]:
     """Every figure on these (where, line) pairs is marked and held; returns the failures."""
     problems: list[Problem] = []
+    pending: list[Quote] = []
+
+    def unmarked():
+        for q in pending:
+            problems.append(_problem(f"{q.where}: unmarked GPU figure {q.text!r}: {q.line.strip()}", q))
+        pending.clear()
+
+    last_file = None
     for where, line in lines:
-        pending: list[Quote] = []
+        block = where.rsplit(":", 1)[0]
+        if not line.strip() or block != last_file:      # a paragraph (or a cell) ends
+            unmarked()
+        last_file = block
         for _, q, m in find_quotes(line):
             if q is not None:
                 q.where = where
@@ -292,7 +308,7 @@ def check_lines(lines, reg: Registry) -> list[Problem]:
             if kind == "nofig":
                 if not body:
                     problems.append(_problem(f"{where}: <!--nofig--> needs a reason"))
-                pending = []
+                pending.clear()
                 continue
             names = body.split()
             if len(names) != len(pending):
@@ -306,10 +322,9 @@ def check_lines(lines, reg: Registry) -> list[Problem]:
                     except FigureError as exc:
                         why = str(exc)
                     if why:
-                        problems.append(_problem(f"{where}: {why}: {line.strip()}", q))
-            pending = []
-        for q in pending:
-            problems.append(_problem(f"{where}: unmarked GPU figure {q.text!r}: {line.strip()}", q))
+                        problems.append(_problem(f"{q.where}: {why}: {q.line.strip()}", q))
+            pending.clear()
+    unmarked()
     return problems
 
 
