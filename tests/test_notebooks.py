@@ -1,6 +1,8 @@
-"""Every chapter notebook (and its solutions) runs top to bottom on this machine.
+"""Every chapter notebook (and its solutions) runs top to bottom on this machine, from its own folder.
 
-On a CPU-only machine the GPU cells print that they were skipped and why; on a GPU machine they run.
+Each kernel starts in the notebook's folder (chapters/ or chapters/solutions/), as JupyterLab opens it,
+so a path that only resolves from one of them fails here. On a CPU-only machine the GPU cells print
+that they were skipped and why; on a GPU machine they run.
 """
 from pathlib import Path
 
@@ -25,5 +27,5 @@ def test_notebook_runs(path, default_model_dir):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(CHAPTERS)}})
+                                     resources={"metadata": {"path": str(path.parent)}})   # the kernel's cwd
     client.execute()   # raises CellExecutionError (with the cell and traceback) on any failure

@@ -8,9 +8,17 @@ import json
 import shutil
 
 import pytest
-
-from helpers.quoted_figures import (_UNITS, REGISTRY, ROOT, FigureError, Registry, check_file, check_lines,
-                                    find_quotes, prose_files)
+from helpers.quoted_figures import (
+    _UNITS,
+    REGISTRY,
+    ROOT,
+    FigureError,
+    Registry,
+    check_file,
+    check_lines,
+    find_quotes,
+    prose_files,
+)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ def describe(args: Sequence) -> str:
 
 
 def _close(got: np.ndarray, want: np.ndarray, rtol: float, atol: float) -> bool:
-    return got.shape == want.shape and bool(np.allclose(got, want, rtol=rtol, atol=atol))
+    # NaN matches NaN: a reference answer is finite, but a mistake's answer (a fully masked row) may
+    # not be, and a learner's NaNs in the same places are that mistake
+    return got.shape == want.shape and bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
 
 
 def array_mismatch(got, want: np.ndarray, rtol: float, atol: float) -> str | None:

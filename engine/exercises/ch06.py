@@ -27,7 +27,11 @@ def check_kv_head_of(fn: Callable[[int, int, int], int]) -> bool:
     """fn(h, n_heads, n_kv_heads) -> the KV head that query head h reads (h // (n_heads / n_kv_heads))."""
     cases = [((h, nq, nkv), h // (nq // nkv))
              for nq, nkv in ((8, 8), (9, 3), (32, 8), (4, 1), (6, 2), (12, 4)) for h in range(nq)]
-    return check_cases("kv_head_of", fn, cases, same=lambda got, want: int(got) == want)
+    hints = [("h % n_kv_heads deals the query heads out round-robin; GQA gives each KV head a block of "
+              "n_heads / n_kv_heads consecutive query heads: h // (n_heads / n_kv_heads)", lambda h, nq, nkv: h % nkv),
+             ("h // n_kv_heads divides by the number of KV heads; divide by the group size n_heads / n_kv_heads",
+              lambda h, nq, nkv: h // nkv)]
+    return check_cases("kv_head_of", fn, cases, same=lambda got, want: int(got) == want, hints=hints)
 
 
 def _repeat_kv_attention(q, k, v, scale, kv_index):
@@ -36,6 +40,23 @@ def _repeat_kv_attention(q, k, v, scale, kv_index):
     Hkv = k.shape[1]
     idx = [kv_index(h, Hq, Hkv) for h in range(Hq)]
     return causal_attention_ref(q, k[:, idx], v[:, idx], scale)
+
+
+def _masked(q, k, v, scale, offset: int, empty_rows: float = np.nan):
+    """Attention with key s allowed for query t when s <= t + offset (offset 0 is the causal mask);
+    a query with no allowed key gets `empty_rows` (NaN: softmax over nothing; 0: a guarded softmax)."""
+    T, Hq, _ = q.shape
+    r = Hq // k.shape[1]
+    kk, vv = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
+    s = np.einsum("thd,shd->hts", q, kk) * scale
+    allowed = np.tril(np.ones((T, T), dtype=bool), k=offset)
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    p = e / np.where(allowed.any(-1)[None, :, None], e.sum(-1, keepdims=True), 1)
+    out = np.einsum("hts,shd->thd", p, vv)
+    out[~allowed.any(-1)] = empty_rows
+    return out
 
 
 def _no_mask(q, k, v, scale):
@@ -57,6 +78,12 @@ def check_causal_attention(fn: Callable) -> bool:
     hints = [("query head h read KV head h % n_kv_heads; with GQA it is h // (n_heads / n_kv_heads)",
               lambda q, k, v, s: _repeat_kv_attention(q, k, v, s, lambda h, nq, nkv: h % nkv)),
              ("the causal mask is missing: token t may only attend to tokens 0..t", _no_mask),
+             ("the causal mask excludes the diagonal: token t attends to tokens 0..t, itself included "
+              "(keep s <= t, np.tril(..., k=0); mask only s > t)", lambda q, k, v, s: _masked(q, k, v, s, -1)),
+             ("the causal mask excludes the diagonal: token t attends to tokens 0..t, itself included "
+              "(keep s <= t, np.tril(..., k=0); mask only s > t)", lambda q, k, v, s: _masked(q, k, v, s, -1, 0.0)),
+             ("the causal mask is off by one: token t saw token t + 1 (keep s <= t, np.tril(..., k=0))",
+              lambda q, k, v, s: _masked(q, k, v, s, 1)),
              ("the scores were not multiplied by scale (1/sqrt(D))",
               lambda q, k, v, s: causal_attention_ref(q, k, v, 1.0)),
              ("the softmax ran over the queries (axis -2) instead of over the keys (axis -1)",

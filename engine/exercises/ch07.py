@@ -61,6 +61,32 @@ def decoder_layer_ref(x, lw, config, positions, cos, sin, *, rope=True, second_n
     return x + linear(swiglu_ref(linear(h2, lw.gate_up)), lw.down)
 
 
+def _attention_out(h, lw, config, positions, cos, sin):
+    qkv = rope_qkv(linear(h, lw.qkv), positions, cos, sin, config)
+    return linear(prefill_attention(qkv, np.array([0, h.shape[0]]), config), lw.o)
+
+
+def _mlp_out(h, lw):
+    return linear(swiglu_ref(linear(h, lw.gate_up)), lw.down)
+
+
+def _add_before_norm(x, lw, config, positions, cos, sin):
+    """A classic mistake: add the residual first and normalize the sum (post-norm, the original
+    Transformer's order), x = norm(x + sublayer(x)); Llama normalizes each sublayer's input instead."""
+    eps = config.rms_norm_eps
+    x = rmsnorm(x + _attention_out(x, lw, config, positions, cos, sin), lw.input_norm, eps)
+    return rmsnorm(x + _mlp_out(x, lw), lw.post_norm, eps)
+
+
+def _residual_from_norm(x, lw, config, positions, cos, sin):
+    """Another: the sublayer's output is added to the normalized x, not to the residual stream."""
+    eps = config.rms_norm_eps
+    h = rmsnorm(x, lw.input_norm, eps)
+    x = h + _attention_out(h, lw, config, positions, cos, sin)
+    h2 = rmsnorm(x, lw.post_norm, eps)
+    return h2 + _mlp_out(h2, lw)
+
+
 def _no_residual(x, lw, config, positions, cos, sin):
     h = rmsnorm(x, lw.input_norm, config.rms_norm_eps)
     qkv = rope_qkv(linear(h, lw.qkv), positions, cos, sin, config)
@@ -93,7 +119,11 @@ def check_decoder_layer(fn: Callable) -> bool:
               lambda *a: decoder_layer_ref(*a, rope=False)),
              ("the MLP reused the first norm's output; it needs rmsnorm(x, post_norm) of the updated x",
               lambda *a: decoder_layer_ref(*a, second_norm=False)),
-             ("the residual adds are missing: x + attention(...), then x + mlp(...)", _no_residual)]
+             ("the residual adds are missing: x + attention(...), then x + mlp(...)", _no_residual),
+             ("the residual was added before the norm (x = rmsnorm(x + attention(x))); Llama is pre-norm: "
+              "x = x + attention(rmsnorm(x)), then x = x + mlp(rmsnorm(x))", _add_before_norm),
+             ("the sublayer's output was added to the normalized x; add it to the residual stream x itself "
+              "(x = x + attention(rmsnorm(x)))", _residual_from_norm)]
     if not run_array_checks("decoder_layer", fn, cases, rtol=1e-4, atol=1e-5, hints=hints):
         return False
     m = _tiny_model("tiny")

@@ -220,6 +220,15 @@ def _top_p_exclusive(probs, top_p):
     return keep
 
 
+def _top_p_cut_ties(probs, top_p):
+    """Another: keep the first n sorted tokens, which drops tokens tied with the last one kept."""
+    order = np.argsort(-probs, kind="stable")
+    n = int(np.searchsorted(np.cumsum(probs[order]), top_p * probs.sum(), side="left"))
+    keep = np.zeros(probs.shape, dtype=bool)
+    keep[order[:n + 1]] = True
+    return keep
+
+
 def _top_p_ascending(probs, top_p):
     """Another: accumulate from the least likely token up."""
     order = np.argsort(probs, kind="stable")
@@ -234,6 +243,8 @@ def check_top_p_keep(fn: Callable) -> bool:
     cases = [((probs, top_p), top_p_keep_ref(probs, top_p)) for probs, top_p in _top_p_cases(np.random.default_rng(2))]
     hints = [("the token that crosses top_p was dropped; it is kept (the kept mass must reach top_p)", _top_p_exclusive),
              ("the least likely tokens were kept: sort from the most likely down", _top_p_ascending),
+             ("a token tied with the last one kept was dropped: equal probabilities are kept or dropped together "
+              "(keep every token with probability >= the last kept one's, not the first n of the sort)", _top_p_cut_ties),
              ("that keeps the tokens whose own probability is >= top_p; top-p is about the cumulative mass",
               lambda p, tp: p >= tp)]
     return run_array_checks("top_p_keep", fn, cases, rtol=0, atol=0, hints=hints)
