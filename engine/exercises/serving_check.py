@@ -7,8 +7,10 @@ request and the step logs.
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from engine.runtime.sampling_params import SamplingParams
@@ -131,3 +133,22 @@ def check_default_model_with(title: str, kv_cache_mib: float = 5.0, max_new_toke
     model_dir, prompts = default_chat_prompts()
     return check_llm_with(title, model_dir, prompts, default_params(len(prompts), max_new_tokens),
                           kv_cache_mib=kv_cache_mib, show_text=True, chunked_prefill=chunked_prefill, **classes)
+
+
+MEASUREMENTS = Path(__file__).resolve().parents[2] / "notes" / "measurements"
+
+
+def recorded_measurements(series: str, file: str, **where) -> list[dict]:
+    """The JSON records of notes/measurements/<series>/<file> (a recorded GPU run of `python -m
+    engine.bench`) whose fields equal `where`, e.g. recorded_measurements("h200_2026-12-02_layout",
+    "serve.jsonl", scenario="serve"). Lines that are not JSON objects (log lines) are skipped."""
+    path = MEASUREMENTS / series / file
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the recorded measurements live in the repository's notes/measurements/")
+    records = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if all(record.get(k) == v for k, v in where.items()):
+                records.append(record)
+    return records
