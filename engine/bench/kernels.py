@@ -11,9 +11,13 @@ The `gemv` group puts the decode GEMV (kernels_cu/gemv.cu) beside cuBLAS on the 
 (1..8 rows), both timed from CUDA graphs that cycle over copies of W (no launch gaps, no L2 hits).
 
     python -m engine.kernel_bench [--json out.jsonl] [--quick] [--check-only] [--only GROUP ...]
+    python -m engine.kernel_bench --ladder rmsnorm|softmax|paged_attention|flash_attention|gemv|all [--json run.json]
 
 --check-only runs every check once and times nothing: the mode for `compute-sanitizer`, which
 slows each launch down by orders of magnitude.
+--ladder runs the numbered kernel ladders of engine/bench/ladder.py (kernels_cu/ladders/): every
+version checked and timed at every block size of its sweep; without a GPU it compiles every version
+and shows the recorded H200 run. The `ladders` group checks every version at its default block size.
 """
 from __future__ import annotations
 
@@ -497,6 +501,24 @@ class Bench:
             self.record("sample_rows", f"R={R} V={V} mixed knobs", float(np.mean(got != ref)), 0.02, ms, R * V * 4,
                         note="mismatch rate vs reference (fp32 reduction order may move a boundary)")
 
+    # -- the numbered ladders of engine/bench/ladder.py: every version checked (and timed) at its
+    #    default block size; `--ladder NAME` sweeps the block sizes and prints the ladder's own table
+    def ladders(self):
+        from engine.backend import sm_count
+        from engine.bench import ladder as lad
+        lad._CTX_SMS[0] = sm_count(self.cp.cuda.Device().id)
+        ctx = lad.Ctx(self.cp, copy_gbps=self.copy_gbps, sms=lad._CTX_SMS[0])
+        for name, ladder in lad.LADDERS.items():
+            for r in lad.run_ladder(ctx, ladder, sweep=False, timed=not self.check_only and not self.quick, log=None):
+                if "skipped" in r:
+                    continue
+                ms = r["us"] / 1000 if "us" in r else None
+                work = ladder.work(next(c.params for c in ladder.cases if c.label == r["case"]))
+                self.record(f"{name} v{r['version']} {r['kernel']}", f"{r['case']} {r['block']}",
+                            r.get("rel_err", float("inf")), r["tol"], ms,
+                            nbytes=work if ladder.metric == "GB/s" else None,
+                            flops=work if ladder.metric != "GB/s" else None, note=r.get("error", ""))
+
     # -- the ladder: each stage's first (naive) version beside the fast one ----------------------
     def ladder(self):
         self._ladder_rmsnorm()
@@ -618,7 +640,7 @@ def _short(ctxs):
 
 
 ALL = ["embedding", "rmsnorm", "rope", "linear", "gemv", "swiglu", "argmax", "prefill_attention", "flash", "paged",
-       "sampling", "ladder"]
+       "sampling", "ladder", "ladders"]
 
 
 def main(argv=None) -> int:
@@ -627,7 +649,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--check-only", action="store_true", help="check every kernel once, time nothing")
     ap.add_argument("--only", nargs="*", default=ALL, choices=ALL)
+    from engine.bench import ladder
+    ladder.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.ladder:     # the numbered ladders: on a GPU measured, elsewhere compiled and shown as recorded
+        return ladder.run_command(args)
     from engine.backend import cupy_unavailable_reason
     reason = cupy_unavailable_reason()
     if reason is not None:   # one line, not a traceback: this tool only measures CUDA kernels
