@@ -71,8 +71,6 @@ MERGE_MISTAKES: list[tuple[str, dict]] = [
      "lowest-ranked adjacent pair anywhere in the word", {"pick": "first"}),
     ("equal pairs merged right to left; when the lowest-ranked pair occurs more than once, the LEFTMOST "
      "occurrence merges first (aaa -> aa a, not a aa)", {"ties": "right"}),
-    ("equal pairs merged right to left; when the lowest-ranked pair occurs more than once, the LEFTMOST "
-     "occurrence merges first (aaa -> aa a, not a aa)", {"ties": "right", "every_occurrence": True}),
 ]
 
 
