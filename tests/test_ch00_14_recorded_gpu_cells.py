@@ -174,7 +174,17 @@ def test_show_recorded_cell_names_the_solution_the_figures_and_a_cells_own_run(r
     first, *rest = capsys.readouterr().out.splitlines()
     assert "NVIDIA H100, 2026-11-02" in first and "kernels_cu/exercises/solutions/embedding.cu" in first
     assert "(text only: its 2 figures not kept)" in first
-    assert rest == ["    | with your kernel: 'Paris'"]
+    assert rest == ["    | with the worked solution's kernel: 'Paris'"]     # the worked solution's, never "your"
+
+
+def test_no_recorded_cell_that_ran_a_worked_solution_says_your_kernel(capsys):
+    run = recorded.load(recorded.RECORDED_CELLS)
+    with_solutions = [k for k, c in run["cells"].items() if c.get("solutions")]
+    assert with_solutions
+    for key in with_solutions:
+        recorded.show_recorded_cell(key, "no GPU")
+        out = capsys.readouterr().out
+        assert "with the worked solution" in out and not re.search(r"\byours?\b", out, re.I), out
 
 
 def test_show_recorded_cell_defaults_to_the_backends_reason(recording, capsys, monkeypatch):

@@ -1,6 +1,7 @@
 """The GPU track's checker: the mistake classifier on simulated outputs (CPU), and on a GPU every
 worked solution passing its checker and deliberately broken kernels getting the right diagnosis."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -163,9 +164,11 @@ def test_every_exercise_has_a_skeleton_and_a_solution():
 
 
 @pytest.mark.nogpu   # with a GPU the check runs for real
-def test_without_a_gpu_the_check_skips_and_shows_the_recorded_run(tmp_path, monkeypatch, capsys):
+def test_without_a_gpu_or_a_cpu_executor_the_check_skips_and_shows_the_recorded_run(tmp_path, monkeypatch, capsys):
+    from engine.exercises import cuda_cpu
+    monkeypatch.setattr(cuda_cpu, "unavailable_reason", lambda: "no host C++ compiler was found")
     run = {"device": "NVIDIA H200", "date": "2026-12-01", "copy_gbps": 4300.0,
-           "checks": {"rmsnorm": "[OK] rmsnorm kernel: all 8 cases pass\n     speed on T=2047: yours ...\n"},
+           "checks": {"rmsnorm": "[OK] rmsnorm kernel: all 8 cases pass\n     speed on T=2047: yours 11.6 us\n"},
            "ladder": [{"kernel": "rmsnorm_naive (1 thread per row)", "shape": "T=2047 H=2048", "ms": 0.5,
                        "gbps": 50.0, "pct_of_copy": 1.2, "ok": True, "ladder": "rmsnorm"}]}
     path = tmp_path / "gpu_run.json"
@@ -176,6 +179,7 @@ def test_without_a_gpu_the_check_skips_and_shows_the_recorded_run(tmp_path, monk
     assert out.startswith("[skipped] rmsnorm kernel: needs a CUDA GPU")
     assert "Recorded run of the worked solution" in out and "NVIDIA H200, 2026-12-01" in out
     assert "| [OK] rmsnorm kernel: all 8 cases pass" in out
+    assert "speed on T=2047: the worked solution 11.6 us" in out and "yours" not in out   # never "yours"
     assert CHECKERS["rope"]() is None
     assert "no recorded GPU run of this exercise" in capsys.readouterr().out
     recorded.show_ladder("rmsnorm")
@@ -183,6 +187,19 @@ def test_without_a_gpu_the_check_skips_and_shows_the_recorded_run(tmp_path, monk
     assert "recorded on NVIDIA H200, 2026-12-01" in out and "rmsnorm_naive (1 thread per row)" in out
     recorded.show_ladder("paged attention")
     assert "no recorded kernel ladder" in capsys.readouterr().out
+
+
+def test_recorded_runs_of_the_worked_solutions_never_say_yours(capsys):
+    """The recorded checks (and the recorder's wording) name the worked solution, not the learner."""
+    assert recorded.as_worked_solution("speed on T=1: yours 8.1 us = 3 GB/s\nwith your kernel: 'Paris.'") == (
+        "speed on T=1: the worked solution 8.1 us = 3 GB/s\nwith the worked solution's kernel: 'Paris.'")
+    run = recorded.load()
+    assert run is not None
+    for name in CHECKERS:
+        recorded.show_recorded(name)
+        out = capsys.readouterr().out
+        assert "Recorded run of the worked solution" in out and "the worked solution " in out, out
+        assert not re.search(r"\byours?\b", out, re.I), out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,8 +12,14 @@ Every CUDA exercise (chapters 03, 04, 05, 07, 11) goes through `check_kernel`:
      with a known mistaken formula (e.g. eps outside the square root);
   4. when every case passes, the learner's kernel and the engine's are timed with CUDA events on a
      large shape and their GB/s printed side by side.
-On a machine without a usable GPU the check is skipped with the reason, and what the worked solution
-printed on a GPU (a recorded, dated run: engine/exercises/recorded/) is shown instead.
+On a machine without a usable GPU the same cases run on the CPU executor (engine/exercises/cuda_cpu):
+the kernel is compiled for the GPU by NVRTC or nvcc (compile errors at the learner's line, no GPU
+needed), then by the host C++ compiler against a header that provides threadIdx, shared memory, a
+real __syncthreads and the warp shuffles, and each case's three launches run in a child process with
+a time limit, in three different thread orders, into the same poisoned output and guard; `diagnose`
+reads the result as it reads a GPU's. No speed is measured there: the verdict says so and shows
+what the worked solution measured on a GPU (a recorded, dated run: engine/exercises/recorded/).
+Without a host compiler the check is skipped with the reason and only that recording is shown.
 
 `diagnose` works on plain NumPy arrays, so the classification is tested without a GPU.
 """
@@ -193,14 +199,12 @@ def read_source(source, exercise: Exercise) -> tuple[str, str]:
 
 def check_kernel(exercise: Exercise, source=None) -> bool | None:
     """Run the exercise's cases on the learner's kernel: True = all pass, False = a mistake was named
-    (printed), None = skipped (no GPU here: the recorded run of the solution is printed instead)."""
+    (printed), None = skipped (no GPU and no CPU executor here: the recorded run of the solution is
+    printed instead). Without a usable GPU the cases run on the CPU executor (`_check_on_cpu`)."""
     title = exercise.title
     reason = cupy_unavailable_reason()
     if reason is not None:
-        from engine.exercises.recorded import show_recorded
-        print(f"[skipped] {title}: needs a CUDA GPU ({reason})")
-        show_recorded(exercise.file.removesuffix(".cu"))
-        return None
+        return _check_on_cpu(exercise, source, reason)
     text, shown = read_source(source, exercise)
     cases = exercise.cases()
     failures = []      # (case, diagnosis)
@@ -225,6 +229,78 @@ def check_kernel(exercise: Exercise, source=None) -> bool | None:
     print(f"[OK] {title}: all {len(cases)} cases pass (three launches each, poisoned output and guard)")
     _report_speed(exercise, text, shown)
     return True
+
+
+def _check_on_cpu(exercise: Exercise, source, gpu_reason: str) -> bool | None:
+    """check_kernel without a GPU: the GPU compile check, then every case on the CPU executor."""
+    from engine.exercises import cuda_cpu
+    from engine.exercises.recorded import show_recorded
+    title, name = exercise.title, exercise.file.removesuffix(".cu")
+    why_not = cuda_cpu.unavailable_reason()
+    if why_not is not None:
+        print(f"[skipped] {title}: needs a CUDA GPU ({gpu_reason.rstrip('.')}) or the CPU executor ({why_not})")
+        show_recorded(name)
+        return None
+    text, shown = read_source(source, exercise)
+    cases = exercise.cases()
+    tool, error = cuda_cpu.compile_for_gpu(text, shown, cases[0].defines)
+    if error is not None:
+        print(f"[x] {title}: {error}")
+        return False
+    failures, printed = [], None
+    for case in cases:
+        try:
+            so = cuda_cpu.build(text, shown, exercise.kernel, case.defines)
+        except LookupError as exc:
+            print(f"[x] {title}: {exc}")
+            return False
+        except KernelCompileError as exc:
+            if tool is None:       # the host compiler is the only judge here: its error is the learner's
+                print(f"[x] {title}: {exc}\n     (no NVRTC or nvcc here: the host C++ compiler checked it against the "
+                      "CPU executor's CUDA header; install NVIDIA's nvidia-cuda-nvrtc wheel for the GPU compiler's errors)")
+                return False
+            print(f"[skipped] {title}: it compiles for the GPU ({tool}), but the CPU executor cannot build it "
+                  f"(it may use CUDA the executor does not emulate):\n{exc}")
+            show_recorded(name)
+            return None
+        except cuda_cpu.CpuBuildError as exc:
+            print(f"[skipped] {title}: {exc}")
+            show_recorded(name)
+            return None
+        outcome = cuda_cpu.run_case(so, exercise.kernel, case, RUNS, POISON[case.out_dtype], BITS[case.out_dtype])
+        if outcome.printed and printed is None:
+            printed = (case.label, outcome.printed)
+        if outcome.crash is not None:
+            print(f"[x] {title}: case {case.label}: {outcome.crash}")
+            _show_printed(printed)
+            return False
+        verdict = diagnose(outcome.runs, case.out_dtype, case.want, case.hints, case.exact, case.regions)
+        if verdict is not None:
+            failures.append((case, verdict))
+    checked = f"compiled with {tool} and the host compiler" if tool else "compiled with the host compiler only"
+    if failures:
+        print(f"[x] {title}: {_summarize(failures, cases)}")
+        _show_printed(printed)
+        return False
+    print(f"[OK] {title}: all {len(cases)} cases pass on the CPU executor (three launches each in three thread orders, "
+          f"poisoned output and guard; {checked})")
+    _show_printed(printed)
+    print(f"     speed not measured: the CPU executor runs the kernel's threads one at a time (no usable GPU here: "
+          f"{gpu_reason.rstrip('.')})")
+    show_recorded(name)
+    return True
+
+
+def _show_printed(printed, lines: int = 20) -> None:
+    """What the kernel printed (printf) in the first case that printed, cut at `lines` lines."""
+    if printed is None:
+        return
+    label, text = printed
+    shown = text.splitlines()
+    cut = f", first {lines} lines" if len(shown) > lines else ""
+    print(f"     your kernel printed (case {label}, three launches{cut}):")
+    for line in shown[:lines]:
+        print(f"     > {line}")
 
 
 def _summarize(failures, cases) -> str:

@@ -13,7 +13,8 @@ counts the figures a cell drew, and the recorded banner says that the text only 
 
 The notebooks run in a temporary copy of the repository in which every CUDA exercise
 kernels_cu/exercises/<name>.cu is replaced by its worked solution kernels_cu/exercises/solutions/<name>.cu,
-so the cells that run the model with "your" kernel record the solution's run. The copy comes first
+so the cells that run the model with "your" kernel record the solution's run, and their output is
+stored worded as the worked solution's ("with the worked solution's kernel", never "yours"). The copy comes first
 on PYTHONPATH (and ENGINE_KERNELS_DIR points at its kernels_cu/). The default model is the one
 `engine.ensure_default_model()` returns: set ENGINE_MODEL_DIR on a machine without network.
 
@@ -51,7 +52,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.exercises.recorded import RECORDED_CELLS
+from engine.exercises.recorded import RECORDED_CELLS, as_worked_solution
 
 REPO = Path(__file__).resolve().parents[2]
 COPIED_DIRS = ("engine", "kernels_cu", "chapters", "notes", "tests")   # what the notebooks read
@@ -371,6 +372,8 @@ def main(argv=None) -> int:
                     entry["figures"] = c["figures"]
                 if c["solutions"]:
                     entry["solutions"] = [s for s in c["solutions"] if s in replaced]
+                if entry.get("solutions"):     # it ran the worked solution: its figures are not "yours"
+                    entry["output"] = as_worked_solution(entry["output"])
                 run["cells"][c["key"]] = entry
             print(f"{notebook}: {len(cells)} GPU cells recorded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     if problems:

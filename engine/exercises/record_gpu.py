@@ -2,8 +2,9 @@
 
 Runs every worked solution (kernels_cu/exercises/solutions/) through its checker, and the kernel
 ladder of `engine.bench.kernels` (each stage's naive and fast kernels), then writes the printed
-verdicts, the ladder's rows, the device and the date to engine/exercises/recorded/gpu_run.json. The
-chapters show that file to learners without a GPU, labelled as a recorded run. Exits non-zero when
+verdicts (worded as the worked solution's: "the worked solution 8.1 us", not "yours"), the ladder's
+rows, the device and the date to engine/exercises/recorded/gpu_run.json. The chapters show that file
+to learners without a GPU, labelled as a recorded run of the worked solution. Exits non-zero when
 a solution fails its checker or a ladder kernel fails its reference check (nothing is written then).
 
     python -m engine.exercises.record_gpu [--out PATH] [--skip-ladder]
@@ -26,7 +27,7 @@ from typing import Any
 
 from engine.exercises import ch03, ch04, ch05, ch07, ch11
 from engine.exercises.cuda_check import SOLUTIONS_DIR
-from engine.exercises.recorded import RECORDED
+from engine.exercises.recorded import RECORDED, as_worked_solution
 
 # exercise name (= its .cu file) -> checker
 CHECKERS = {
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
     for name in CHECKERS:
         verdict, text = run_solution(name)
         print(text, end="")
-        checks[name] = text
+        checks[name] = as_worked_solution(text)     # the worked solution's figures, never "yours"
         if verdict is not True:
             failed.append(name)
     run: dict[str, Any] = {"device": gpu_name(), "date": datetime.date.today().isoformat(), "checks": checks}

@@ -1,7 +1,9 @@
 """What the GPU track prints on a real GPU, for learners reading the chapters on a CPU.
 
 Two recordings, both made on a CUDA machine and both labelled as a recorded run (device, date) when
-shown; nothing here is computed on the CPU:
+shown; nothing here is computed on the CPU. What a recorded run of a worked solution printed about
+the learner's kernel ("yours", "with your kernel") is worded as the worked solution's
+(`as_worked_solution`, applied when recording and when showing):
 
   * `python -m engine.exercises.record_gpu` runs every worked solution through its checker and the
     kernel ladder of `engine.bench.kernels` -> engine/exercises/recorded/gpu_run.json
@@ -16,12 +18,28 @@ Record both on the same machine:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 RECORDED = Path(__file__).resolve().parent / "recorded" / "gpu_run.json"
 HOW = "python -m engine.exercises.record_gpu (on a CUDA GPU) records one"
 RECORDED_CELLS = Path(__file__).resolve().parent / "recorded" / "gpu_cells.json"
 HOW_CELLS = "python -m engine.exercises.record_cells (on a CUDA GPU) records it"
+
+
+# What the checker and the chapters' cells print about the learner's kernel ("yours", "your kernel"), as
+# worded in a recording, where the kernel is the worked solution.
+_LEARNERS = ((re.compile(r"\byours\b"), "the worked solution"),
+             (re.compile(r"\b[Ww]ith your kernel\b"), "with the worked solution's kernel"),
+             (re.compile(r"\byour kernel\b"), "the worked solution's kernel"),
+             (re.compile(r"\bYour kernel\b"), "The worked solution's kernel"))
+
+
+def as_worked_solution(text: str) -> str:
+    """A recorded output of the worked solution, labelled as the worked solution's, never "yours"."""
+    for pattern, words in _LEARNERS:
+        text = pattern.sub(words, text)
+    return text
 
 
 def load(path: Path | None = None) -> dict | None:
@@ -47,7 +65,7 @@ def show_recorded(exercise: str, path: Path | None = None) -> None:
         return
     print(f"    Recorded run of the worked solution kernels_cu/exercises/solutions/{exercise}.cu "
           f"on {_banner(run)}:")
-    _quote(run["checks"][exercise])
+    _quote(as_worked_solution(run["checks"][exercise]))
 
 
 def ladder_rows(stage: str, path: Path | None = None) -> list[dict]:
@@ -97,4 +115,4 @@ def show_recorded_cell(key: str, reason: str | None = None, path: Path | None = 
     if cell.get("figures"):
         what += f" (text only: its {_plural(cell['figures'], 'figure')} not kept)"
     print(f"GPU cell skipped here: {reason}. What it printed in a recorded run on {what}:")
-    _quote(cell["output"])
+    _quote(as_worked_solution(cell["output"]) if solutions else cell["output"])
