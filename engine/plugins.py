@@ -23,6 +23,7 @@ replaces (with the same launch geometry and arguments as the engine's own launch
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -111,6 +112,8 @@ class Override:
     source: str | None = None
     kernel_name: str | None = None
     _kernels: dict = field(default_factory=dict, repr=False)
+    # never given twice: the prefix cache names K/V computed under this override by it
+    serial: int = field(default_factory=itertools.count().__next__, repr=False)
 
     def kernel(self, **defines):
         """The learner's kernel as a cupy.RawKernel, compiled by engine.backend's loader."""

@@ -1,6 +1,6 @@
 """The online engine loop: requests from many threads and coroutines share one model, one KV cache and
 one scheduler, join the running batch at the next step, stream, cancel, survive model errors, and
-reuse a session's cached prefix. Greedy outputs are compared with a serial run (and the no-cache
+reuse the cached pages of a chat's earlier turns (prefix caching). Greedy outputs are compared with a serial run (and the no-cache
 oracle), on the NumPy backend with a tiny random model.
 """
 import asyncio
@@ -46,7 +46,7 @@ def assert_pool_clean(llm):
     sched.allocator.check_invariants()
     stats = llm.stats()
     assert stats["running"] == stats["waiting"] == 0
-    assert stats["pages_used"] == stats["pages_cached"]
+    assert stats["pages_used"] == 0          # (cached pages are free: the pool may evict them)
 
 
 def test_serial_reference_is_the_oracle(llm, serial):
@@ -201,7 +201,8 @@ def test_stats_tell_the_story(llm, serial):
     assert len(owners) == stats["pages_total"]
     for request_id, table in stats["page_tables"].items():
         assert all(owners[page] == request_id for page in table)
-    assert stats["pages_used"] == sum(o != -1 for o in owners)
+    assert stats["pages_used"] == sum(o >= 0 for o in owners)
+    assert stats["pages_cached"] == sum(o == -2 for o in owners)
     list(events)
     info = [r for r in llm.stats()["requests"] if r["request_id"] == handle.request_id][0]
     assert [state for state, _ in info["timeline"]] == ["waiting", "prefill", "decode", "finished"]
@@ -210,47 +211,51 @@ def test_stats_tell_the_story(llm, serial):
     assert info["generated_tokens"] == 12 and info["finish_reason"] == "length"
 
 
-def test_session_reuses_its_prefix(monkeypatch):
-    """Turn 2 of a session computes only what turn 1 did not cache; tokens equal a fresh run."""
-    llm = make_llm(max_seqs=2)
+def test_a_chat_turn_computes_only_what_the_cache_does_not_hold(monkeypatch):
+    """Turn 2 repeats turn 1 and its answer: the full pages turn 1 wrote are shared, the rest (the
+    partial last page and the new message) is computed; tokens equal a fresh run."""
+    llm = make_llm(max_seqs=2, page_size=4)
+    assert llm.prefix_caching
     counter = ForwardCounter(llm.model)
     monkeypatch.setattr(llm.model, "forward", counter)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     p1 = random_prompts(1, seed=7)[0]
-    a1 = llm.submit(p1, params, session="chat").result().token_ids
+    a1 = llm.submit(p1, params).result().token_ids
     p2 = p1 + a1 + [5, 77, 300]
     counter.tokens.clear()
-    a2 = llm.submit(p2, params, session="chat").result()
-    assert counter.tokens[0] == len(p2) - (len(p1) + len(a1) - 1)
+    a2 = llm.submit(p2, params).result()
+    written = len(p1) + len(a1) - 1                            # the last answer token was never fed
+    assert counter.tokens[0] == len(p2) - written // 4 * 4
     assert a2.token_ids == greedy_no_cache(llm.model, p2, 8, ignore_eos=True)[0]
     assert llm.stats()["pages_cached"] > 0
-    p3 = p2[:5] + [9, 9, 9]                                   # history edited: a short prefix survives
+    p3 = p2[:9] + [9, 9, 9]                                   # history edited: two full pages survive
     counter.tokens.clear()
-    a3 = llm.submit(p3, params, session="chat").result()
-    assert counter.tokens[0] == len(p3) - 5
+    a3 = llm.submit(p3, params).result()
+    assert counter.tokens[0] == len(p3) - 8
     assert a3.token_ids == greedy_no_cache(llm.model, p3, 8, ignore_eos=True)[0]
-    llm.drop_session("chat")
-    assert llm.stats()["pages_used"] == 0
+    stats = llm.stats()
+    assert stats["prefix_cache"]["hit_tokens"] == written // 4 * 4 + 8
+    assert stats["prefix_cache"]["lookup_tokens"] == len(p1) + len(p2) + len(p3)
     llm._engine.scheduler.allocator.check_invariants()
 
 
-def test_session_prefix_reuse_with_chunked_prefill(monkeypatch):
-    """Chunked prefill and sessions together: turn 2 adopts turn 1's pages and feeds only the rest of
-    its prompt, in chunks of the step's token budget; the stats follow the prefill's progress, count
-    only sampled tokens, and the tokens equal a fresh run."""
-    llm = make_llm(max_seqs=2, max_batch_tokens=4)
+def test_cached_prefix_with_chunked_prefill(monkeypatch):
+    """Chunked prefill and prefix caching together: turn 2 shares turn 1's full pages and feeds only
+    the rest of its prompt, in chunks of the step's token budget; the stats follow the prefill's
+    progress, count only sampled tokens, and the tokens equal a fresh run."""
+    llm = make_llm(max_seqs=2, max_batch_tokens=4, page_size=4)
     assert llm.chunked_prefill
     counter = ForwardCounter(llm.model)
     monkeypatch.setattr(llm.model, "forward", counter)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     p1 = random_prompts(1, seed=11, longest=20)[0] + [3] * 10
-    first = llm.submit(p1, params, session="chat")
+    first = llm.submit(p1, params)
     a1 = first.result().token_ids
     assert counter.tokens[:-(len(a1) - 1)] == [4] * (len(p1) // 4) + ([len(p1) % 4] if len(p1) % 4 else [])
     p2 = p1 + a1 + list(range(40, 51))
-    reused = len(p1) + len(a1) - 1
+    reused = (len(p1) + len(a1) - 1) // 4 * 4
     counter.tokens.clear()
-    handle = llm.submit(p2, params, session="chat")
+    handle = llm.submit(p2, params)
     a2 = handle.result()
     prefill_passes = counter.tokens[:-(len(a2.token_ids) - 1)]
     assert sum(prefill_passes) == len(p2) - reused and max(prefill_passes) <= 4 and len(prefill_passes) > 1
@@ -260,22 +265,30 @@ def test_session_prefix_reuse_with_chunked_prefill(monkeypatch):
     assert info["reused_tokens"] == reused and info["prefilled_tokens"] == len(p2)
     assert [state for state, _ in info["timeline"]] == ["waiting", "prefill", "decode", "finished"]
     assert info["generated_tokens"] == 6 and stats["tokens_generated"] == 12
-    llm.drop_session("chat")
-    assert llm.stats()["pages_used"] == 0
+    assert stats["pages_used"] == 0
     llm._engine.scheduler.allocator.check_invariants()
 
 
-def test_cached_sessions_give_way_under_memory_pressure(serial):
-    """A pool of 8 pages: parked sessions are evicted (never a running request preempted for them)."""
+def test_cached_pages_give_way_under_memory_pressure(serial):
+    """A pool of 8 pages: cached pages are evicted (never a running request preempted for them)."""
     prompts, expected = serial
     llm = make_llm(max_seqs=4, kv_cache_mib=8 * 16 * llm_kv_bytes_per_token() / 2**20)
     assert llm.cache.num_pages == 8
     for k in range(3):
-        llm.submit(prompts[k], GREEDY, session=k).result()
+        llm.submit(prompts[k], GREEDY).result()
     outs = llm.generate(prompts[6:12], GREEDY)
     assert [o.token_ids for o in outs] == expected[6:12]
     assert not any(e["preempted"] for e in llm.last_step_log)
     llm._engine.scheduler.allocator.check_invariants()
+
+
+def test_the_session_keyword_is_ignored_with_a_warning():
+    llm = make_llm(max_seqs=2)
+    with pytest.warns(DeprecationWarning, match="prefix cache"):
+        handle = llm.submit([1, 2, 3], GREEDY, session="chat")
+    assert handle.result().token_ids == greedy_no_cache(llm.model, [1, 2, 3], 12, ignore_eos=True)[0]
+    with pytest.warns(DeprecationWarning):
+        llm.drop_session("chat")
 
 
 def llm_kv_bytes_per_token():

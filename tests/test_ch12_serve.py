@@ -245,7 +245,7 @@ def test_concurrent_streaming_clients(server, served, llm):
     outputs = asyncio.run(everyone())
     stats = wait_idle(served)
     assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0)
-    assert set(stats["page_owners"]) == {-1}
+    assert set(stats["page_owners"]) <= {-1, -2}          # free, or free and holding a cached prefix
     if served is llm:
         with llm._engine.lock:                      # the loop is at rest: read its allocator
             llm._engine.scheduler.allocator.check_invariants()

@@ -187,16 +187,22 @@ def test_eos_discards_the_row_already_in_flight_and_fail_is_refused():
     assert sched.pop_finished() == [] and sched.allocator.num_free == 8
 
 
-def test_a_session_parks_only_known_tokens_while_its_next_row_is_in_flight():
-    sched = Scheduler(PageAllocator(8, 4), 4, 16, 32, eos_token_ids=[EOS], async_scheduling=True)
-    sched.submit([1, 2, 3], params(10, ignore_eos=False), session="chat")
+def test_pages_are_registered_when_the_batch_that_wrote_them_completes():
+    """Prefix caching: a lookahead batch is scheduled before the previous one completes, so the pages
+    the previous one fills are named only at its complete(); a page written by the batch still in
+    flight (here the one where eos lands) is not full of known tokens, and is never named."""
+    sched = Scheduler(PageAllocator(8, 4), 4, 16, 32, eos_token_ids=[EOS], async_scheduling=True,
+                      prefix_caching=True)
+    sched.submit([1, 2, 3, 4, 5], params(10, ignore_eos=False))
     first = sched.schedule()
-    second = sched.schedule()
-    sched.complete(first.batch_id, [EOS])                      # parked while `second` writes position 3
+    second = sched.schedule()                                  # the decode of the pending token
+    assert sched.allocator.snapshot()["keys"] == {}
+    sched.complete(first.batch_id, [EOS])                      # page 0 (1 2 3 4) is named now
+    assert list(sched.allocator.snapshot()["keys"]) == first.rows[0].page_table[:1]
     sched.complete(second.batch_id, [5])
-    nxt = sched.submit([1, 2, 3, EOS, 6], params(1), session="chat")
+    nxt = sched.submit([1, 2, 3, 4, 5, EOS, 6], params(1))
     batch = sched.schedule()
-    assert batch.rows[0].request_id == nxt and batch.rows[0].start_pos == 3   # reuses 1, 2, 3 only
+    assert batch.rows[0].request_id == nxt and batch.rows[0].start_pos == 4   # page 0 only
 
 
 def test_a_preempted_request_cancelled_before_its_batch_completes_leaves_the_log():
@@ -222,17 +228,20 @@ def test_a_preempted_request_cancelled_before_its_batch_completes_leaves_the_log
     assert victim in ids and victim not in sched.step_log[-1]["preempted"]
 
 
-def test_abort_frees_pages_a_cancelled_session_parked_while_its_chunk_was_in_flight():
-    sched = Scheduler(PageAllocator(16, 4), 4, 4, 64, chunked_prefill=True, async_scheduling=True)
-    rid = sched.submit(list(range(1, 14)), params(4), session="chat")
+def test_an_aborted_chunk_leaves_no_key_behind():
+    sched = Scheduler(PageAllocator(16, 4), 4, 4, 64, chunked_prefill=True, async_scheduling=True,
+                      prefix_caching=True)
+    prompt = list(range(1, 14))
+    sched.submit(prompt, params(4))
     first = sched.schedule()                     # the first chunk of 4 tokens
     second = sched.schedule()                    # the next chunk, while the first is in flight
-    sched.cancel(rid)                            # parks the pages both chunks are writing
-    assert sched.snapshot()["parked_tables"]
-    sched.complete(first.batch_id, [])
-    sched.abort(second.batch_id)                 # that chunk failed: its pages hold garbage
-    assert sched.snapshot()["parked_tables"] == {} and sched.allocator.num_free == 16
+    sched.complete(first.batch_id, [])           # page 0 is written and named
+    sched.abort(second.batch_id)                 # that chunk failed: page 1 holds garbage
+    assert len(sched.allocator.snapshot()["keys"]) == 1 and sched.allocator.num_free == 16
     assert [e["step"] for e in sched.step_log] == [0]
+    sched.submit(prompt, params(1))
+    again = sched.schedule()
+    assert again.rows[0].start_pos == 4          # page 0 is found again, page 1 is computed again
 
 
 def test_only_the_rows_of_live_requests_must_have_finite_logits():

@@ -6,8 +6,9 @@ from PyPI) and opens an interactive multi-turn chat that streams tokens as they 
 (`python -m engine.serve` on another machine) instead of loading a model. Commands inside the chat:
 /reset, /system TEXT, /stats, /quit. Ctrl-C stops the current answer, not the program.
 
-Locally every turn is a request to the engine loop (engine.LLM.submit) in the conversation's
-session: the pages of the previous turns stay cached, so a turn computes only its new tokens. A
+Locally every turn is a request to the engine loop (engine.LLM.submit) with the whole conversation
+as its prompt: the prefix cache still holds the pages of the previous turns, so a turn computes only
+its new tokens. A
 conversation that outgrows --max-context drops its oldest turns (the system prompt stays); a message
 that cannot fit even alone is refused. No turn ends the chat: its error is printed on one line.
 """

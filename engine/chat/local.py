@@ -1,5 +1,6 @@
-"""The chat on a local engine.LLM (chapter 12): every turn is one request of the conversation's
-session, so the pages of the previous turns stay cached and a turn computes only its new tokens.
+"""The chat on a local engine.LLM (chapter 12): every turn is one request whose prompt is the whole
+conversation; the prefix cache (chapter 15) still holds the previous turns' pages, so a turn computes
+only its new tokens.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from engine.chat.conversation import Conversation, ConversationFrontEnd, Prefill
 
 
 class Chat(ConversationFrontEnd):
-    """A conversation on a local engine.LLM: each turn is one request of the chat's session."""
+    """A conversation on a local engine.LLM: each turn is one request."""
 
     def __init__(self, model_dir, backend: str, params, system: str | None, max_context: int | None, llm=None):
         from engine.formats.config import load_config
@@ -24,14 +25,8 @@ class Chat(ConversationFrontEnd):
             raise ValueError(f"{model_dir} has no chat template (tokenizer_config.json): not a chat model")
         self.params = params
         self.conversation = Conversation(system)
-        self.session = object()                  # the engine keeps this conversation's pages under it
         self.backend_name = llm.backend.describe()
         self.prefill_rate: float | None = None   # tokens/s of the last prefill, for the progress line
-
-    def reset(self) -> None:
-        super().reset()
-        self.llm.drop_session(self.session)
-        self.session = object()
 
     def _encode(self, messages) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
@@ -47,7 +42,7 @@ class Chat(ConversationFrontEnd):
             notices.write(f"(context full: dropped the {dropped} oldest turn{'s' * (dropped > 1)})\n")
             notices.flush()
         prompt_ids = self._encode(convo)
-        handle = self.llm.submit(prompt_ids, self.params, session=self.session)
+        handle = self.llm.submit(prompt_ids, self.params)
         progress = Prefilling(notices, len(prompt_ids), self.prefill_rate)
         pieces = []
         try:

@@ -81,6 +81,15 @@ class KVCache:
         """(k, v) of layer i, each [NB, BS, Hkv, D]."""
         return self.k[i], self.v[i]
 
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of page src into page dst, every layer, for each (src, dst): copy-on-write
+        of a shared prefix page (one gather-scatter per array, queued on the device's stream)."""
+        xp = self.backend.xp
+        src = xp.asarray([s for s, _ in pairs], dtype=xp.int64)
+        dst = xp.asarray([d for _, d in pairs], dtype=xp.int64)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size

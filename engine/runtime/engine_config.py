@@ -55,6 +55,7 @@ class EngineConfig:
     cuda_graphs: bool | None          # None: the environment decides (ENGINE_CUDA_GRAPHS)
     async_scheduling: bool
     kv_cache_mib: float | None        # None: the runner's default pool size
+    prefix_caching: bool = False      # share full KV pages between requests with the same prefix
     scheduler_cls: type[Scheduler] = Scheduler
     allocator_cls: type[PageAllocator] = PageAllocator
 
@@ -64,7 +65,7 @@ class EngineConfig:
               max_seqs: int | None = None, max_batch_tokens: int | None = None,
               admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
               cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
-              scheduler_cls: type[Scheduler] = Scheduler,
+              prefix_caching: bool | None = None, scheduler_cls: type[Scheduler] = Scheduler,
               allocator_cls: type[PageAllocator] = PageAllocator) -> EngineConfig:
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
@@ -75,6 +76,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True, False or None (the environment decides), got {flag!r}")
         if not isinstance(chunked_prefill, bool):
             raise ValueError(f"chunked_prefill must be True or False, got {chunked_prefill!r}")
+        if prefix_caching is not None and not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True, False or None (on with the paged cache), "
+                             f"got {prefix_caching!r}")
+        if prefix_caching and kv_cache != "paged":
+            raise ValueError("prefix_caching=True needs kv_cache='paged': it shares pages between requests, "
+                             "and a contiguous slot is one page as long as the whole context")
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                            page_size=page_size, kv_cache_mib=kv_cache_mib)
         seqs = int(max_seqs) if max_seqs is not None else (256 if backend.is_gpu else 16)
@@ -87,6 +94,8 @@ class EngineConfig:
                    async_scheduling=(default_async_scheduling(backend, scheduler_cls) if async_scheduling is None
                                      else async_scheduling),
                    kv_cache_mib=None if kv_cache_mib is None else float(kv_cache_mib),
+                   prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler) if prefix_caching is None
+                   else prefix_caching,
                    scheduler_cls=scheduler_cls, allocator_cls=allocator_cls)
 
     def new_scheduler(self, num_pages: int, eos_token_ids: set[int], first_request_id: int = 0, *,
@@ -102,4 +111,5 @@ class EngineConfig:
         return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
                                   eos_token_ids, policy=self.batching, admission=self.admission,
                                   chunked_prefill=self.chunked_prefill, first_request_id=first_request_id,
-                                  **({"async_scheduling": True} if async_scheduling else {}))
+                                  **({"async_scheduling": True} if async_scheduling else {}),
+                                  **({"prefix_caching": True} if self.prefix_caching else {}))

@@ -107,13 +107,13 @@ class EngineLoop:
             raise ValueError("stop strings need text: this model directory has no tokenizer.json")
         return prompt
 
-    def submit(self, prompt_ids: list[int], params, session=None) -> RequestHandle:
-        return self.submit_many([(prompt_ids, params, session)])[0]
+    def submit(self, prompt_ids: list[int], params) -> RequestHandle:
+        return self.submit_many([(prompt_ids, params)])[0]
 
     def submit_many(self, requests) -> list[RequestHandle]:
-        """Queue (prompt_ids, params, session) requests together: the loop sees all of them or none at
-        its next step, so one generate() call's step log does not depend on thread timing."""
-        prompts = [self.validate(prompt_ids, params) for prompt_ids, params, _ in requests]
+        """Queue (prompt_ids, params) requests together: the loop sees all of them or none at its next
+        step, so one generate() call's step log does not depend on thread timing."""
+        prompts = [self.validate(prompt_ids, params) for prompt_ids, params in requests]
         manual = self.manual() if self.manual is not None else None
         if manual is not None and manual.has_unfinished():
             raise RuntimeError("this LLM is being stepped by hand (LLM.step) and still holds requests there")
@@ -121,8 +121,8 @@ class EngineLoop:
             if self._closed:
                 raise RuntimeError("this LLM was closed")
             handles = []
-            for prompt, (_, params, session) in zip(prompts, requests, strict=True):
-                handles.append(RequestHandle(self.hub, self._next_id, prompt, params, session,
+            for prompt, (_, params) in zip(prompts, requests, strict=True):
+                handles.append(RequestHandle(self.hub, self._next_id, prompt, params,
                                              cancel=self.cancel, tokenizer=self._tokenizer))
                 self._next_id += 1
             self._pending.extend(handles)
@@ -134,10 +134,6 @@ class EngineLoop:
         with self._cv:
             self._cancels.add(request_id)
             self._cv.notify_all()
-
-    def drop_session(self, session) -> None:
-        with self.lock:                      # between two iterations: the scheduler is at rest
-            self.scheduler.drop_session(session)
 
     def collect_steps(self) -> list[StepRecord]:
         """A list that receives every step's log entry until stop_collecting() (LLM.last_step_log)."""
@@ -214,7 +210,7 @@ class EngineLoop:
     def _iteration(self, runner: ModelRunner, pending: list[RequestHandle], cancels: set[int]) -> None:
         sched = self.scheduler
         for handle in pending:
-            request_id = sched.submit(handle.prompt_token_ids, handle.params, session=handle.session)
+            request_id = sched.submit(handle.prompt_token_ids, handle.params)
             if request_id != handle.request_id:
                 raise RuntimeError(f"engine and scheduler request ids diverged ({handle.request_id} != {request_id})")
             self._seeds[request_id] = resolve_seed(handle.params)
@@ -232,9 +228,8 @@ class EngineLoop:
             try:
                 out = self.synchronous_step(runner, sched, self._seeds)
             except BatchFailed as failed:
-                for request_id in failed.request_ids:
+                for request_id in failed.request_ids:   # (the pages it wrote were never registered)
                     sched.cancel(request_id)
-                    sched.drop_session(self._handles[request_id].session)   # its pages may be half-written
                     self._fail(self._handles[request_id], failed.__cause__ or failed)
                 return
             if out is None:
@@ -246,6 +241,7 @@ class EngineLoop:
     def synchronous_step(runner: ModelRunner, sched: Scheduler, seeds: dict[int, int]) -> StepOutput | None:
         """schedule -> launch -> wait -> complete. None when there was nothing to run; a failed step is
         undone (sched.fail: the scheduler is as before schedule()) and raised as BatchFailed."""
+        runner.claim_cache(sched)
         batch = sched.schedule()
         if batch is None:
             return None
@@ -265,6 +261,7 @@ class EngineLoop:
         are then discarded."""
         previous, self._in_flight = self._in_flight, None
         launched = None
+        runner.claim_cache(sched)
         batch = sched.schedule() if sched.has_unfinished() else None
         if batch is not None:
             try:
@@ -292,8 +289,7 @@ class EngineLoop:
             if sched is not self.scheduler:
                 if self.scheduler.has_unfinished():
                     raise busy
-                self.scheduler.drop_all_sessions()     # their cached pages are about to be overwritten
-                self.manual = weakref.ref(sched)
+                self.manual = weakref.ref(sched)       # (the runner makes each forget the other's pages)
             try:
                 return self.synchronous_step(runner, sched, seeds)
             except BatchFailed as failed:
@@ -425,13 +421,14 @@ class EngineLoop:
     def _build_stats(self) -> dict:
         """Plain data: counts, the page map, per-request timelines, time to first token, throughput."""
         snap = self.scheduler.snapshot()
-        owners = [-1] * snap["num_pages"]          # -1 free, -2 cached for a session, else request id
-        for request_id, table in snap["page_tables"].items():
+        # -1 free, -2 free but holding a cached prefix, else a request id (of a shared page: the
+        # oldest request that holds it)
+        owners = [-1] * snap["num_pages"]
+        for page in snap["cached_pages"]:
+            owners[page] = -2
+        for request_id, table in sorted(snap["page_tables"].items(), reverse=True):
             for page in table:
                 owners[page] = request_id
-        for table in snap["parked_tables"].values():
-            for page in table:
-                owners[page] = -2
         now = time.monotonic()
         recent = [s for s in self._steps if s[1] >= now - 5.0]
         span = (recent[-1][1] - recent[0][0]) if recent else 0.0
@@ -442,7 +439,11 @@ class EngineLoop:
             "waiting": len(snap["waiting"]),
             "pages_total": snap["num_pages"],
             "pages_used": snap["used_pages"],
-            "pages_cached": sum(len(t) for t in snap["parked_tables"].values()),
+            "pages_cached": len(snap["cached_pages"]),
+            "pages_shared": snap["shared_pages"],
+            "prefix_cache": {"enabled": snap["prefix_caching"], "lookup_tokens": snap["lookup_tokens"],
+                             "hit_tokens": snap["hit_tokens"],
+                             "hit_rate": snap["hit_tokens"] / snap["lookup_tokens"] if snap["lookup_tokens"] else 0.0},
             "page_size": snap["page_size"],
             "page_tables": {int(k): list(v) for k, v in snap["page_tables"].items()},
             "page_owners": owners,

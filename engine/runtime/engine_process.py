@@ -15,7 +15,7 @@ kernels of every step, and the GPU idles. vLLM answers this with an engine-core 
 The pipe carries token ids, never text (a request with stop strings is the exception: its text is
 cut at the stop in the engine process, so that text travels too). The HTTP process loads only the
 tokenizer, so the GPU is touched by one process. RemoteLLM offers what the server uses of an LLM:
-submit() returning a RequestHandle, stats(), drop_session(), tokenizer, close(). A handle's
+submit() returning a RequestHandle, stats(), tokenizer, close(). A handle's
 request_id numbers this process's requests; stats() (the dashboard) shows the engine's own ids.
 The child ignores Ctrl-C: the server stops it (close(), or its pipe closing when the server exits).
 """
@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 
 from engine.formats.config import load_config
-from engine.runtime.request import HandleHub, RequestHandle, RequestOutput, prepare_prompt
+from engine.runtime.request import HandleHub, RequestHandle, RequestOutput, prepare_prompt, warn_sessions_gone
 from engine.runtime.sampling_params import SamplingParams
 from engine.text.tokenizer import load_tokenizer
 
@@ -69,7 +69,6 @@ class RemoteLLM:
         self.hub = HandleHub()                     # what RequestHandles wait on (as in EngineLoop)
         self._handles: dict[int, RequestHandle] = {}
         self._ids = itertools.count()
-        self._sessions: dict = {}                  # session -> the small int that stands for it over the pipe
         self._send_lock = threading.Lock()
         self._stats_cv = threading.Condition()
         self._stats_tickets = itertools.count(1)
@@ -109,33 +108,24 @@ class RemoteLLM:
     def submit(self, prompt, params: SamplingParams | None = None, *, session=None) -> RequestHandle:
         """Queue a prompt (text or token ids). The engine process checks it: await handle.accepted()
         raises its ValueError (a 400 in the server) when it refuses the request."""
+        if session is not None:
+            warn_sessions_gone()
         prompt_ids, params = prepare_prompt(prompt, params, self.tokenizer, self.vocab_size)
-        handle = RequestHandle(self.hub, next(self._ids), prompt_ids, params, session, cancel=self.cancel,
+        handle = RequestHandle(self.hub, next(self._ids), prompt_ids, params, cancel=self.cancel,
                                tokenizer=self.tokenizer, accepted=False)
         with self.hub.cond:
             self._handles[handle.request_id] = handle
         try:
-            self._send(("submit", handle.request_id, prompt_ids, params, self._session_key(session)))
+            self._send(("submit", handle.request_id, prompt_ids, params))
         except BaseException:
             with self.hub.cond:
                 self._handles.pop(handle.request_id, None)
             raise
         return handle
 
-    def _session_key(self, session) -> int | None:
-        """Sessions are compared here, as LLM.submit's scheduler compares them (a dict key); the engine
-        process gets a small int per session, the same one every time."""
-        if session is None:
-            return None
-        with self.hub.cond:
-            return self._sessions.setdefault(session, len(self._sessions))
-
     def drop_session(self, session) -> None:
-        """Free the KV pages kept for `session` in the engine process."""
-        with self.hub.cond:
-            key = self._sessions.pop(session, None)
-        if key is not None:
-            self._send(("drop_session", key))
+        """Does nothing (DeprecationWarning), as LLM.drop_session."""
+        warn_sessions_gone()
 
     def cancel(self, request_id: int) -> None:
         """Stop a request at the engine's next step; a no-op once the engine process is gone."""
@@ -270,8 +260,6 @@ class Forwarder:
                         entry = self.live.get(body[0])
                     if entry is not None:
                         entry[0].cancel()
-                elif kind == "drop_session":
-                    self.llm.drop_session(body[0])
                 elif kind == "stats":      # stats() waits for a step boundary: not on this thread
                     threading.Thread(target=self.answer_stats, args=(body[0],), daemon=True).start()
                 elif kind == "close":
@@ -285,9 +273,9 @@ class Forwarder:
             self.llm.close()
             forwarder.join(timeout=10)
 
-    def submit(self, request_id: int, prompt_ids: list[int], params, session) -> None:
+    def submit(self, request_id: int, prompt_ids: list[int], params) -> None:
         try:
-            handle = self.llm.submit(prompt_ids, params, session=session)
+            handle = self.llm.submit(prompt_ids, params)
         except ValueError as exc:
             self.send(("refused", request_id, str(exc)))
             return

@@ -25,7 +25,7 @@ from engine.runtime.engine_config import EngineConfig
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_allocator import PageAllocator
 from engine.runtime.model_runner import ModelRunner
-from engine.runtime.request import RequestHandle, RequestOutput, prepare_prompt
+from engine.runtime.request import RequestHandle, RequestOutput, prepare_prompt, warn_sessions_gone
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.scheduler import Scheduler, StepOutput
 from engine.runtime.step_log import StepRecord
@@ -38,6 +38,7 @@ class LLM:
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
                  admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
                  cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
+                 prefix_caching: bool | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
         """chunked_prefill: long prompts are prefilled in chunks of the step's token budget, mixed with
         the running requests' decodes (continuous batching; chapter 13). cuda_graphs: replay decode
@@ -45,6 +46,9 @@ class LLM:
         async_scheduling: the engine loop schedules step N+1 while the GPU runs step N (default: on a
         GPU with the engine's own Scheduler, unless ENGINE_ASYNC_SCHEDULING=0; on the CPU there is
         nothing to overlap: NumPy computes a step before the host can move on).
+        prefix_caching: requests share the KV pages of a common prefix (a system prompt, a chat's
+        earlier turns), which are then not computed again (chapter 15; default: on with the paged
+        cache and the engine's own Scheduler).
         scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
         exercises) runs in place of the engine's, with the same constructor arguments."""
         model_dir = Path(model_dir)
@@ -55,7 +59,7 @@ class LLM:
                                       max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                       admission=admission, page_size=page_size, chunked_prefill=chunked_prefill,
                                       cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-                                      scheduler_cls=scheduler_cls, allocator_cls=allocator_cls)
+                                      prefix_caching=prefix_caching, scheduler_cls=scheduler_cls, allocator_cls=allocator_cls)
         self.tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
             self.tokenizer = load_tokenizer(model_dir)
@@ -81,6 +85,7 @@ class LLM:
     admission = property(lambda self: self.engine_config.admission)
     chunked_prefill = property(lambda self: self.engine_config.chunked_prefill)
     async_scheduling = property(lambda self: self.engine_config.async_scheduling)
+    prefix_caching = property(lambda self: self.engine_config.prefix_caching)
 
     @property
     def handle_hub(self):
@@ -99,20 +104,23 @@ class LLM:
         """Queue one prompt (text or token ids) from any thread; it joins the running batch at the next
         step. Returns a handle: .stream() / .astream() events, .result(), .cancel(), .request_id.
 
-        Invalid prompts or params raise ValueError here, before anything runs. `session` (any hashable)
-        keeps the request's KV pages after it ends, for the next request of that session to reuse
-        its common prefix (a chat's next turn computes only the new tokens).
+        Invalid prompts or params raise ValueError here, before anything runs. A chat's next turn
+        needs nothing special: with prefix caching it finds the earlier turns' pages by their tokens
+        (`session` is ignored, with a DeprecationWarning).
         """
+        if session is not None:
+            warn_sessions_gone()
         prompt_ids, params = self._prepare(prompt, params)
-        return self._engine.submit(prompt_ids, params, session)
+        return self._engine.submit(prompt_ids, params)
 
     def drop_session(self, session) -> None:
-        """Free the KV pages kept for `session` (a conversation that was reset or closed)."""
-        self._engine.drop_session(session)
+        """Does nothing (DeprecationWarning): cached pages are evicted by the pool when it needs them."""
+        warn_sessions_gone()
 
     def stats(self) -> dict:
         """A plain-dict snapshot of the engine: running/waiting counts, the page map (pages_total,
-        pages_used, page_owners: request id per page, -1 free, -2 cached for a session), per-request
+        pages_used, pages_cached, pages_shared, page_owners: request id per page, -1 free, -2 free but
+        holding a cached prefix), prefix_cache (enabled, lookup_tokens, hit_tokens, hit_rate), per-request
         states with timestamps (time.monotonic()), time-to-first-token values, tokens generated."""
         return self._engine.stats()
 
@@ -134,8 +142,7 @@ class LLM:
         log = self._engine.collect_steps()
         handles = []
         try:
-            handles = self._engine.submit_many([(prompt_ids, sp, None)
-                                                for prompt_ids, sp in zip(ids, plist, strict=True)])
+            handles = self._engine.submit_many(list(zip(ids, plist, strict=True)))
             outputs = [handle.result() for handle in handles]
         except BaseException:          # an error or Ctrl-C: the rest of this call is not wanted
             for handle in handles:

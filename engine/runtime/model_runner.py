@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(model, self.cache, self.engine_config.max_seqs,
                                           enabled=engine_config.cuda_graphs)
         self._last_completion = 0.0
+        self._writer: weakref.ref | None = None   # the scheduler whose batches last wrote the pool
 
     # ---- memory ------------------------------------------------------------------------------
     def _allocate_cache(self, ec: EngineConfig) -> tuple[KVCache, EngineConfig]:
@@ -106,6 +108,14 @@ class ModelRunner:
             return KVCache.contiguous(self.config, ec.max_seqs, ec.max_context, self.backend), ec
         return KVCache.paged(self.config, mib, ec.page_size, self.backend), ec
 
+    def claim_cache(self, sched: Scheduler) -> None:
+        """`sched` is about to run batches on this pool. If another scheduler wrote it since sched last
+        did (LLM.step drives a learner's scheduler over the engine's pool), the pages sched has cached
+        hold someone else's K/V now: it forgets them."""
+        if self._writer is not None and self._writer() is not sched and hasattr(sched, "clear_prefix_cache"):
+            sched.clear_prefix_cache()
+        self._writer = weakref.ref(sched)
+
     # ---- one step ----------------------------------------------------------------------------
     def launch(self, batch: Batch, seeds: dict[int, int], previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the batch's forward pass and sampling on the device (on the CPU: run them).
@@ -113,6 +123,8 @@ class ModelRunner:
         Async scheduling: the batch's PENDING tokens are what `previous` (the batch still in flight)
         samples; they are gathered from its device ids, so the host never waits for them."""
         t0 = time.perf_counter()
+        if batch.page_copies:          # copy-on-write: a shared page first becomes this row's own
+            self.cache.copy_pages(batch.page_copies)
         sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
         # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
         logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -123,11 +124,11 @@ class RequestHandle:
     strings gets its text from the producer, which must read it to find the stop.
     """
 
-    def __init__(self, hub: HandleHub, request_id: int, prompt_token_ids: list[int], params, session, *,
+    def __init__(self, hub: HandleHub, request_id: int, prompt_token_ids: list[int], params, *,
                  cancel: Callable[[int], None], tokenizer=None, accepted: bool = True):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.params, self.session = params, session
+        self.params = params
         self._hub, self._cond = hub, hub.cond
         self._cancel, self._tokenizer = cancel, tokenizer
         # Written by the producer methods below, under the hub's condition:
@@ -149,7 +150,7 @@ class RequestHandle:
         self.state = "waiting"        # waiting | prefill | decode | preempted | finished
         self.transitions: list[tuple[str, float]] = [("waiting", self.submitted_at)]
         self.num_generated = 0
-        self.reused_tokens = 0        # prompt tokens whose K/V came from the session's cached pages
+        self.reused_tokens = 0        # prompt tokens whose K/V came from the prefix cache
         self.prefilled_tokens = 0     # prompt tokens whose K/V are in the cache (chunked prefill's progress)
         self.num_preemptions = 0
 
@@ -321,3 +322,12 @@ class RequestHandle:
                 "timeline": list(self.transitions)}
 
 
+
+
+SESSIONS_GONE = ("session= and drop_session() are no longer needed and do nothing: the prefix cache finds "
+                 "a conversation's earlier turns by their tokens (chapter 15)")
+
+
+def warn_sessions_gone() -> None:
+    """Callers of the earlier session API keep working: their session is ignored, with a warning."""
+    warnings.warn(SESSIONS_GONE, DeprecationWarning, stacklevel=3)

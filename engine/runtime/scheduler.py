@@ -71,15 +71,22 @@ negative or non-integer token ids, a prompt of max_context tokens or more (one p
 left for the answer), max_new_tokens < 0, or a worst case larger than the whole pool (with either
 admission: on demand, such a request could not finish even alone).
 
-Sessions (prefix reuse between the turns of a conversation): submit(..., session=key). When a request
-of a session finishes (or is cancelled) while running, its pages are not freed but *parked* under the
-key with the tokens whose K/V they hold. The next request of that session that is admitted adopts
-them: the common prefix of the parked tokens and its own (at most all but its last token) counts as
-computed (num_computed), so its first row, the whole rest of the prompt or a first chunk of it,
-starts after that prefix; the pages past it are freed. Parked pages are a cache, never a promise:
-admission counts them as free, and any reservation (a newcomer's, a chunk's, a decode's) that finds
-the free list short evicts parked tables first (least recently parked first), before it preempts
-anyone. drop_session(key) frees one at once.
+Prefix caching (`prefix_caching=True`, chapter 15; what engine.LLM uses with the paged cache). When a
+step completes, every full page its rows finished writing is *registered* under a key that names its
+tokens and all the tokens before them (engine/runtime/prefix_cache.py). A request being admitted (a
+newcomer, or a preempted request coming back) looks its tokens up page by page: the longest chain of
+registered pages from position 0 goes into its table as it is, shared with whoever else holds it
+(reference counts, engine/runtime/kv_allocator.py), and counts as computed (num_computed), so its
+first row, the rest of the prompt or a first chunk of it, starts after that prefix. At least the last
+token is always fed (its logits are sampled): when every page of a request is cached, its first row
+starts at its last token, inside a shared page, and that page is copied first (copy-on-write: the
+row's `copy` names the source and the private destination, and the runner copies the K/V before the
+forward pass). A registered page is never written in place.
+A finished, cancelled or preempted request's pages stay registered when it lets go of them: free, at
+the tail of the free queue, until a reservation reaches them at its head and evicts them (least
+recently freed first). So cached pages are a cache, never a promise: admission counts them as free,
+and they are evicted before anyone is preempted. A conversation needs nothing else: its next turn
+starts with the same tokens, so it finds its pages by their contents.
 
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
 flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
@@ -104,15 +111,16 @@ meanwhile) already has a row in N+1: that row still runs, and complete() discard
 - progress (num_computed) and page reservations count from schedule(), and are committed there;
 - a lookahead schedule() never preempts: when a row would need it, it changes nothing and returns
   None (the runner completes batch N first and schedules again, with nothing in flight);
-- cancel() and drop_session() are allowed while batches are in flight (the pages of the request's
-  rows still in flight are written by the GPU before any later batch can reuse them: one stream);
-- a batch that fails is abort()ed: its requests end ("cancelled"), their pages are freed, not parked.
+- cancel() is allowed while batches are in flight (the pages of the request's rows still in flight are
+  written by the GPU before any later batch can reuse them: one stream);
+- pages are registered when the batch that wrote them completes, never earlier, so a batch that fails
+  leaves no key behind: it is abort()ed, its requests end ("cancelled") and their pages are freed.
 """
 from __future__ import annotations
 
 import itertools
 import operator
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +128,7 @@ import numpy as np
 
 from engine.checks import is_int
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
+from engine.runtime.prefix_cache import PageKey, cached_prefix, page_key, root_key
 from engine.runtime.step_log import StepRecord
 
 __all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError", "PENDING",
@@ -150,6 +159,7 @@ class Row:
     num_generated: int      # tokens generated before this step (a seeded sampler can key on it)
     samples: bool = True    # False for a chunk that does not reach the end of the prompt
     kind: str = "prefill"   # "prefill" (a prompt, a chunk of one, or a recompute) | "decode"
+    copy: tuple[int, int] | None = None   # copy-on-write: copy page src's K/V into dst before the pass
 
     @property
     def context_len(self) -> int:
@@ -223,6 +233,11 @@ class Batch:
         return self._cached("last_token_indices", lambda: (self.cu_seqlens[1:] - 1).astype(np.int32))
 
     @property
+    def page_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) pages whose K/V the runner copies before the forward pass (copy-on-write)."""
+        return [row.copy for row in self.rows if row.copy is not None]
+
+    @property
     def sampling_rows(self) -> list[int]:
         """Indices of the rows that sample a token (complete() takes one token for each, in order)."""
         return [r for r, row in enumerate(self.rows) if row.samples]
@@ -276,8 +291,8 @@ class RowProgress:
     start_pos: int         # position of the row's first token
     end_pos: int           # start_pos + tokens fed: with `samples` False, how far its prompt is computed
     samples: bool          # the row reached the end of its tokens and sampled one
-    admitted: bool         # its first row since admission: positions before start_pos came from the
-                           # session's cached pages
+    admitted: bool         # its first row since admission: positions before start_pos came from
+                           # cached pages (prefix caching)
 
 
 @dataclass
@@ -307,11 +322,14 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     status: str = "waiting"  # "waiting" | "running" (finished requests leave the scheduler)
     num_preemptions: int = 0
-    session: object = None   # hashable key: its pages are parked for the session's next request
     num_computed: int = 0   # leading tokens whose K/V are in the cache (0 again after a preemption)
     num_lost: int = 0       # tokens it had computed when it was last preempted: computed again later
-    num_reused: int = 0     # leading tokens adopted from its session's parked pages at admission
+    num_reused: int = 0     # leading tokens found in the prefix cache at admission
     pending: int = 0        # async scheduling: tokens sampled by batches in flight, not known yet
+    # prefix caching: the registration numbers of its first len(chain) full pages (the parents that
+    # its next page's key names), and the root its chain started from at admission
+    chain: list[int] = field(default_factory=list)
+    root: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -339,13 +357,6 @@ class _Request:
         return self.num_tokens - self.num_computed
 
 
-@dataclass
-class _Parked:
-    """The pages a finished request of a session left behind: K/V of `tokens`, in table `seq_id`."""
-    seq_id: int
-    tokens: list[int]
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens a and b share."""
     n = 0
@@ -361,13 +372,13 @@ class _Saved:
     """Everything schedule() may change, captured so that fail() can put it back."""
     waiting: list[int]
     running: list[int]
-    request_states: dict[int, tuple[str, int, int, int, int]]   # status, preemptions, computed, lost, reused
+    # status, preemptions, computed, lost, reused, chain, root (schedule() replaces a chain, never edits it)
+    request_states: dict[int, tuple[str, int, int, int, int, list[int], Any]]
     group: list[int]
     group_decoding: bool
     next_batch_id: int
     next_request_id: int
     num_preemptions: int
-    parked: list[tuple[object, _Parked]]
 
 
 @dataclass
@@ -393,7 +404,7 @@ class Scheduler:
     def __init__(self, allocator: KVAllocator, max_seqs: int, max_batch_tokens: int,
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
                  admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, prefix_caching: bool = False, page_key: PageKey = page_key):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -409,6 +420,10 @@ class Scheduler:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         if allocator.in_transaction:
             raise ValueError("the allocator has uncommitted changes")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        if not callable(page_key):
+            raise ValueError(f"page_key must be a function (parent, tokens) -> key, got {page_key!r}")
         self.allocator = allocator
         self.max_seqs = max_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -419,6 +434,8 @@ class Scheduler:
         self.admission = admission
         self.chunked_prefill = bool(chunked_prefill)
         self.async_scheduling = bool(async_scheduling)
+        self.prefix_caching = prefix_caching
+        self.page_key = page_key
 
         self._requests: dict[int, _Request] = {}   # live requests: waiting or running
         self._waiting: deque[int] = deque()        # FIFO; preempted requests go back to the head
@@ -432,23 +449,20 @@ class Scheduler:
         self._logged_request_id = 0                # requests below this id arrived before a logged step
         self.num_preemptions = 0
         self.num_steps = 0                         # completed steps (step_log may be drained by a loop)
-        self._parked: OrderedDict[object, _Parked] = OrderedDict()   # session -> parked pages, LRU first
+        self.lookup_tokens = 0                     # prefix caching, completed steps: tokens looked up at
+        self.hit_tokens = 0                        # admission, and of those found in the cache
         self.step_log: list[StepRecord] = []
 
     # ---- requests in -------------------------------------------------------------------------
-    def submit(self, prompt_ids, params, session=None) -> int:
-        """Queue a request and return its id; InvalidRequest if it can never be served.
-
-        `session`: a hashable key; the request reuses (and leaves behind) the session's cached pages.
-        """
+    def submit(self, prompt_ids, params) -> int:
+        """Queue a request and return its id; InvalidRequest if it can never be served."""
         prompt, max_new, worst_pages = self.validate(prompt_ids, params)
         request_id = self._new_request_id()
         if max_new == 0:   # nothing to generate: finished at once, never scheduled
             self._finished.append(Result(request_id, prompt, [], "length"))
             return request_id
         self._requests[request_id] = _Request(request_id, prompt, params, max_new,
-                                              bool(getattr(params, "ignore_eos", False)),
-                                              worst_pages, session=session)
+                                              bool(getattr(params, "ignore_eos", False)), worst_pages)
         self._waiting.append(request_id)
         return request_id
 
@@ -549,6 +563,11 @@ class Scheduler:
         if not self.async_scheduling:
             for row in flight.batch.rows:
                 self._requests[row.request_id].num_computed = row.context_len
+        if self.prefix_caching:               # the pages this batch filled are written now: name them
+            for row in flight.batch.rows:
+                request = self._requests.get(row.request_id)
+                if request is not None:
+                    self._register_pages(request, row.context_len)
         finished: list[Result] = []
         sampled: list[tuple[int, int]] = []
         for row, token in zip(sampling, tokens, strict=True):
@@ -570,6 +589,8 @@ class Scheduler:
         entry["step"] = self.num_steps             # its index in the log (an aborted batch leaves none)
         entry["finished"] = [result.request_id for result in finished]
         entry["sampled_tokens"] = [token for _, token in sampled]
+        self.lookup_tokens += entry["lookup_tokens"]
+        self.hit_tokens += entry["reused_tokens"]
         self.num_steps += 1
         self.step_log.append(entry)
         self._logged_request_id = max(self._logged_request_id, flight.arrived_before)
@@ -604,8 +625,9 @@ class Scheduler:
 
     def abort(self, batch_id: int) -> list[Result]:
         """Async scheduling: a batch that failed (or whose samples cannot be trusted) ends every request
-        that has a row in it, "cancelled", with its pages freed (they may be half-written, so they are
-        not parked for a session); their rows in a later batch are discarded. Returns their results."""
+        that has a row in it, "cancelled", with its pages freed (the pages it was writing were never
+        registered: registration waits for complete()); their rows in a later batch are discarded.
+        Returns their results."""
         flight = self._flight(batch_id)
         del self._in_flight[batch_id]
         in_batch = dict.fromkeys(row.request_id for row in flight.batch.rows)
@@ -613,14 +635,9 @@ class Scheduler:
         for request_id in in_batch:
             request = self._requests.get(request_id)
             if request is not None:
-                request.session = None
                 if request.status == "waiting":
                     self._waiting.remove(request_id)
                 results.append(self._retire(request, "cancelled"))
-        # a request of the batch that ended while it was in flight may have parked pages it was writing
-        for session, parked in list(self._parked.items()):
-            if parked.seq_id in in_batch:
-                self.allocator.free(self._parked.pop(session).seq_id)
         self.allocator.commit()
         later = next(iter(self._in_flight.values()), None)
         if later is not None and later.batch.batch_id > batch_id:   # its arrivals go with the next record
@@ -639,11 +656,10 @@ class Scheduler:
         for request_id, state in saved.request_states.items():
             request = self._requests[request_id]
             (request.status, request.num_preemptions, request.num_computed, request.num_lost,
-             request.num_reused) = state
+             request.num_reused, request.chain, request.root) = state
         self._group, self._group_decoding = saved.group, saved.group_decoding
         self._next_batch_id = saved.next_batch_id
         self.num_preemptions = saved.num_preemptions
-        self._parked = OrderedDict(saved.parked)
 
     # ---- requests out ------------------------------------------------------------------------
     def cancel(self, request_id: int) -> Result:
@@ -662,18 +678,14 @@ class Scheduler:
         self.allocator.commit()
         return result
 
-    def drop_session(self, session) -> None:
-        """Free the pages parked for `session` (if any). Between steps only."""
-        if self._in_flight and not self.async_scheduling:
-            raise SchedulerError("drop_session() between steps only: a batch is in flight")
-        parked = self._parked.pop(session, None)
-        if parked is not None:
-            self.allocator.free(parked.seq_id)
-            self.allocator.commit()
-
-    def drop_all_sessions(self) -> None:
-        for session in list(self._parked):
-            self.drop_session(session)
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (another scheduler is about to write this pool). Between steps only."""
+        if self._in_flight:
+            raise SchedulerError("clear_prefix_cache() between steps only: a batch is in flight")
+        self.allocator.clear_cache()
+        self.allocator.commit()
+        for request in self._requests.values():   # running requests keep their pages, unnamed
+            request.chain = []
 
     def pop_finished(self) -> list[Result]:
         """Results of the requests finished at submit (max_new_tokens == 0: nothing to generate) since
@@ -708,7 +720,11 @@ class Scheduler:
             "total_preemptions": self.num_preemptions,
             "next_batch_id": self._next_batch_id,
             "finished": [result.request_id for result in self._finished],
-            "parked_tables": {p.seq_id: self.allocator.page_table(p.seq_id) for p in self._parked.values()},
+            "prefix_caching": self.prefix_caching,
+            "cached_pages": self.allocator.cached_free_pages(),
+            "shared_pages": self.allocator.num_shared,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_tokens": self.hit_tokens,
         }
 
     # ---- internals ---------------------------------------------------------------------------
@@ -740,69 +756,77 @@ class Scheduler:
     def _admit(self, budget: int, alone_if_long: bool) -> list[Row]:
         """Admit waiting requests from the head of the queue while they fit (FIFO, no overtaking).
 
-        A request's tokens to compute are those after the prefix its session's parked pages hold.
-        Without chunking they must all fit the budget (a longer request runs alone when
-        `alone_if_long`); with chunking it is admitted with a first chunk of what is left of them.
+        A request's tokens to compute are those after the prefix found in the prefix cache. Without
+        chunking they must all fit the budget (a longer request runs alone when `alone_if_long`); with
+        chunking it is admitted with a first chunk of what is left of them.
         """
         rows: list[Row] = []
         promised = sum(self._requests[rid].worst_pages for rid in self._running)
+        root = root_key() if self.prefix_caching else None
         while self._waiting and budget > 0:
             request = self._requests[self._waiting[0]]
-            todo = request.num_tokens - self._reusable(request)
             if not self._has_seat(request):
                 break
-            if not self.chunked_prefill and todo > budget and not (alone_if_long and not rows):
+            plan = self._plan(request, self._cache_hits(request, root), budget)
+            if plan is None:        # its pages do not fit now
                 break
-            if not self._fits_now(request):   # on demand: the whole sequence fits now
+            hits, chunk = plan
+            if not self.chunked_prefill and chunk > budget and not (alone_if_long and not rows):
                 break
             if (self.admission == "conservative"
                     and promised + request.worst_pages > self.allocator.num_pages):
                 break
             promised += request.worst_pages
-            chunk = min(todo, budget) if self.chunked_prefill else todo
-            rows.append(self._start(request, chunk))
+            rows.append(self._start(request, hits, root, chunk))
             budget -= chunk
         return rows
 
-    def _reusable(self, request: _Request) -> int:
-        """Leading tokens whose K/V its session's parked pages hold (at most all but its last token:
-        the last one must be fed to sample from)."""
-        parked = self._parked.get(request.session) if request.session is not None else None
-        return min(common_prefix(parked.tokens, request.tokens), request.num_tokens - 1) if parked else 0
+    def _cache_hits(self, request: _Request, root) -> list[int]:
+        """Prefix caching: the registered pages that hold the request's longest cached prefix of full
+        pages (of its known tokens: a preempted request's generated ones count too)."""
+        if not self.prefix_caching:
+            return []
+        return cached_prefix(self.allocator, request.tokens, root, self.page_key)
 
-    def _fits_now(self, request: _Request) -> bool:
-        """Pages for all of the request's tokens now, counting parked pages (its session's, which it
-        adopts, and everyone else's, which can be evicted) as free."""
-        n = request.num_tokens
-        parked = sum(len(self.allocator.page_table(p.seq_id)) for p in self._parked.values())
-        return n <= self.allocator.max_seq_len and \
-            self.allocator.pages_needed(n) <= self.allocator.num_free + parked
+    def _reused(self, request: _Request, hits: list[int]) -> int:
+        """Tokens the hits hold, short of the last one (it must be fed: its logits are sampled)."""
+        return min(len(hits) * self.allocator.page_size, request.num_tokens - 1)
 
-    def _start(self, request: _Request, chunk: int) -> Row:
-        """Move the head of the queue to the running requests: adopt its session's parked pages (their
-        common prefix is not computed again), evicting other parked tables while the first `chunk`
-        tokens after that prefix lack pages; the row of that chunk."""
-        reused = self._reusable(request)
-        parked = self._parked.get(request.session) if request.session is not None else None
-        own = len(self.allocator.page_table(parked.seq_id)) if parked else 0
-        while (self.allocator.pages_needed(reused + chunk) > self.allocator.num_free + own
-               and any(session != request.session for session in self._parked)):
-            self._evict_oldest_parked(keep=request.session)
-        if parked:
-            del self._parked[request.session]
-            self.allocator.adopt(request.request_id, parked.seq_id, reused)
+    def _plan(self, request: _Request, hits: list[int], budget: int) -> tuple[list[int], int] | None:
+        """(the hits to share, the first row's tokens) if what must fit now does, else None. What must
+        fit: on demand, the whole sequence; conservative, the first row (the promise covers the
+        rest). A hit page that is free leaves the free queue when shared. A first row that starts
+        inside the last hit page (every page of the request cached) needs one page more, for the copy;
+        short of it, that page is computed again instead."""
+        size = self.allocator.page_size
+        while True:
+            reused = self._reused(request, hits)
+            todo = request.num_tokens - reused
+            chunk = min(todo, budget) if self.chunked_prefill else todo
+            end = request.num_tokens if self.admission == "on_demand" else reused + chunk
+            copy = reused < len(hits) * size
+            new = self.allocator.pages_needed(end) - len(hits) + copy
+            taken = sum(self.allocator.is_cached_free(page) for page in hits)
+            if end <= self.allocator.max_seq_len and new + taken <= self.allocator.num_free:
+                return hits, chunk
+            if not copy:
+                return None
+            hits = hits[:-1]
+
+    def _start(self, request: _Request, hits: list[int], root, chunk: int) -> Row:
+        """Move the head of the queue to the running requests: share the cached pages of its prefix
+        (not computed again); the row of the first `chunk` tokens after it."""
         self._waiting.popleft()
+        if hits:
+            self.allocator.share(request.request_id, hits)
+        request.chain = [self.allocator.serial(page) for page in hits]
+        request.root = root
         request.status = "running"
-        request.num_computed = request.num_reused = reused
+        request.num_computed = request.num_reused = self._reused(request, hits)
         self._running.append(request.request_id)
         if self.policy == "static" and request.request_id not in self._group:
             self._group.append(request.request_id)
         return self._reserve_row(request, chunk)
-
-    def _evict_oldest_parked(self, keep=None) -> None:
-        """Free the least recently parked table (never `keep`'s); the caller checked one exists."""
-        session = next(s for s in self._parked if s != keep)
-        self.allocator.free(self._parked.pop(session).seq_id)
 
     def _has_seat(self, request: _Request) -> bool:
         if self.policy == "continuous":
@@ -818,10 +842,11 @@ class Scheduler:
     def _advance(self, request_ids: list[int], budget: int | None,
                  in_step: set[int]) -> tuple[list[Row], list[int]]:
         """The next tokens of running requests, oldest first, at most `budget` tokens in all (None:
-        no limit); `in_step` (updated) holds the requests already given a row in this step. When the
-        pool lacks pages, parked session pages are evicted first (least recently parked first); then
-        the newest running request without a row is preempted (on-demand admission only ever gets
-        there) until the row fits, or the request itself when it is that newest."""
+        no limit); `in_step` (updated) holds the requests already given a row in this step. The free
+        queue's cached pages are evicted first (reserve() takes them as free pages); when the pool
+        still lacks pages, the newest running request without a row is preempted (on-demand
+        admission only ever gets there) until the row fits, or the request itself when it is that
+        newest."""
         rows, preempted = [], []
         for rid in request_ids:
             request = self._requests[rid]
@@ -831,9 +856,6 @@ class Scheduler:
             if chunk < 1:
                 break
             while not self.allocator.can_reserve(rid, request.num_computed + chunk):
-                if self._parked and request.num_computed + chunk <= self.allocator.max_seq_len:
-                    self._evict_oldest_parked()   # cached pages go before anyone is preempted
-                    continue
                 if self._in_flight:               # a lookahead never preempts (see the module docstring)
                     raise _Declined
                 victim = next(v for v in reversed(self._running) if v not in in_step)
@@ -859,23 +881,55 @@ class Scheduler:
         self._running.remove(request_id)
         request.status = "waiting"
         request.num_lost, request.num_computed, request.num_reused = request.num_computed, 0, 0
+        request.chain = []      # its registered pages stay cached: coming back, it may find them
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(request_id)   # several in one step: the oldest ends up first
 
     def _reserve_row(self, request: _Request, chunk: int) -> Row:
-        """Reserve memory for the next `chunk` tokens of a request and describe them as a row."""
+        """Reserve memory for the next `chunk` tokens of a request and describe them as a row. A row
+        whose first position falls in a page others read (a shared prefix page) copies it first."""
         start, end = request.num_computed, request.num_computed + chunk
+        copy = None
+        if self.prefix_caching and start % self.allocator.page_size:
+            index = start // self.allocator.page_size
+            if self.allocator.must_copy(request.request_id, index):
+                copy = self.allocator.copy_on_write(request.request_id, index)
         self.allocator.reserve(request.request_id, end)
         decode = chunk == 1 and request.num_sampled and end == request.num_tokens
-        prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
-        tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
-            else request.tokens[start:end]
+        tokens = self._known_tokens(request, start, end)
         tokens += [PENDING] * (chunk - len(tokens))    # async: sampled by the batch in flight
         return Row(request.request_id, tokens, start,
                    self.allocator.page_table(request.request_id), request.params,
                    request.num_sampled, samples=end == request.num_tokens,
-                   kind="decode" if decode else "prefill")
+                   kind="decode" if decode else "prefill", copy=copy)
+
+    @staticmethod
+    def _known_tokens(request: _Request, start: int, end: int) -> list[int]:
+        """request.tokens[start:end] without building prompt + generated (O(context) per row)."""
+        prompt_len = len(request.prompt_ids)
+        if start >= prompt_len:
+            return request.generated[start - prompt_len:end - prompt_len]
+        return request.prompt_ids[start:end] + request.generated[:max(0, end - prompt_len)]
+
+    def _register_pages(self, request: _Request, upto: int) -> None:
+        """Prefix caching: name the full pages among the request's first `upto` positions that have no
+        name yet (the batch that wrote them has completed). A page whose key another page holds
+        already (two requests computed the same prefix at once) stays private; its successors are
+        named after the page that holds the key."""
+        size = self.allocator.page_size
+        full = min(upto, request.num_known) // size
+        if full <= len(request.chain):
+            return
+        table = self.allocator.page_table(request.request_id)
+        chain = list(request.chain)
+        parent = chain[-1] if chain else request.root
+        for i in range(len(chain), full):
+            tokens = tuple(self._known_tokens(request, i * size, (i + 1) * size))
+            holder = self.allocator.register(table[i], self.page_key(parent, tokens))
+            parent = self.allocator.serial(holder)
+            chain.append(parent)
+        request.chain = chain
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in self.eos_token_ids and not request.ignore_eos:
@@ -886,18 +940,9 @@ class Scheduler:
 
     def _retire(self, request: _Request, reason: str) -> Result:
         """Remove a request for good, free its memory, end a static group it was the last of."""
-        if request.status == "running":
+        if request.status == "running":     # its registered pages stay cached for whoever comes next
             self._running.remove(request.request_id)
-            if request.session is not None and request.num_computed:   # pages for the session's next request
-                old = self._parked.pop(request.session, None)
-                if old is not None:
-                    self.allocator.free(old.seq_id)
-                # what the cache holds: all but the last sampled token, or less if cancelled mid-prompt
-                # (async: rows still in flight may have computed more, but only known tokens can be reused)
-                cached = request.tokens[:min(request.num_computed, request.num_known - 1)]
-                self._parked[request.session] = _Parked(request.request_id, cached)
-            else:
-                self.allocator.free(request.request_id)
+            self.allocator.free(request.request_id)
         del self._requests[request.request_id]
         if self._group and not any(member in self._requests for member in self._group):
             self._group, self._group_decoding = [], False
@@ -917,11 +962,10 @@ class Scheduler:
 
     def _save(self) -> _Saved:
         return _Saved(list(self._waiting), list(self._running),
-                      {rid: (r.status, r.num_preemptions, r.num_computed, r.num_lost, r.num_reused)
+                      {rid: (r.status, r.num_preemptions, r.num_computed, r.num_lost, r.num_reused, r.chain, r.root)
                        for rid, r in self._requests.items()},
                       list(self._group), self._group_decoding, self._next_batch_id,
-                      self._next_request_id, self.num_preemptions,
-                      list(self._parked.items()))
+                      self._next_request_id, self.num_preemptions)
 
     def _log_entry(self, batch: Batch, preempted: list[int]) -> StepRecord:
         prefill_rows = [row for row in batch.rows if row.kind == "prefill"]
@@ -956,7 +1000,9 @@ class Scheduler:
             # tokens computed a second time because a preemption threw their K/V away
             "recomputed_tokens": sum(max(0, min(row.context_len, self._requests[row.request_id].num_lost)
                                          - row.start_pos) for row in prefill_rows),
-            # prompt tokens not computed because the request adopted its session's parked pages
+            # tokens admitted requests looked up in the prefix cache, and of those found there (not fed)
+            "lookup_tokens": sum(self._requests[row.request_id].num_tokens for row in first_rows)
+            if self.prefix_caching else 0,
             "reused_tokens": sum(row.start_pos for row in first_rows),
             "preempted": list(preempted),
             "running": len(self._running),
@@ -964,6 +1010,8 @@ class Scheduler:
             "idle_slots": self._idle_slots(),
             "used_pages": self.allocator.num_used,
             "free_pages": self.allocator.num_free,
+            "cached_pages": self.allocator.num_cached,
+            "shared_pages": self.allocator.num_shared,
             "cached_tokens": cached,
             "finished": [],        # filled in by complete()
             "sampled_tokens": [],  # filled in by complete(): one per sampling row

@@ -50,13 +50,16 @@ class _StepRecordRequired(TypedDict):
     arrived: list[int]          # requests submitted since the previous record
     admitted: list[int]         # first admissions in this step (a request's first row, not after a preemption)
     recomputed_tokens: int      # tokens fed again because a preemption threw their K/V away
-    reused_tokens: int          # prompt tokens not fed: newcomers adopted them from their session's pages
+    lookup_tokens: int          # prefix caching: tokens of the requests admitted this step, looked up
+    reused_tokens: int          # of which found in the prefix cache: not fed (0 without prefix caching)
     preempted: list[int]        # requests preempted while this batch was formed
     running: int                # running requests after admission
     waiting: int                # requests still waiting
     idle_slots: int             # static batching: finished members still holding a seat
     used_pages: int             # KV pages in some page table after this step's reservations
-    free_pages: int             # KV pages on the free list
+    free_pages: int             # KV pages on the free queue (cached ones included)
+    cached_pages: int           # free pages still holding a cached prefix (evicted when taken)
+    shared_pages: int           # pages in more than one page table
     cached_tokens: int          # tokens whose K/V sit in the cache after this step
     finished: list[int]         # requests that finished with this step's token
 
