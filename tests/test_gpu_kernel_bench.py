@@ -25,3 +25,21 @@ def test_kernel_within_tolerance(bench, group):
     bad = [f"{r['kernel']} [{r['shape']}]: rel_err {r['rel_err']:.3g} > tol {r['tol']:.3g}"
            for r in rows if not r["ok"]]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_ladder_command_writes_a_run_that_reads_back(tmp_path, capsys):
+    """`--ladder rmsnorm --no-sweep`: every version checked and timed on this GPU; the JSON follows
+    the schema the CPU display reads, with a time, a bandwidth and a speedup for every timed row."""
+    import json
+
+    from engine.bench import ladder
+    from engine.bench.kernels import main
+    path = tmp_path / "run.json"
+    assert main(["--ladder", "rmsnorm", "--no-sweep", "--json", str(path)]) == 0
+    run = ladder.validate_run(json.loads(path.read_text()))
+    rows = run["ladders"][0]["rows"]
+    assert {r["version"] for r in rows} == {r.version for r in ladder.RMSNORM.rungs}
+    timed = [r for r in rows if r["timed"] and "skipped" not in r]
+    assert timed and all(r["ok"] and r["us"] > 0 and r["gbps"] > 0 and r["speedup"] > 0 for r in timed)
+    assert "-- T=2047 H=2048" in capsys.readouterr().out

@@ -121,6 +121,16 @@ def _err(out, ref):
     return lad.rel_err(out, ref)
 
 
+def _rmsnorm_runs(engine, ladder, T, H):
+    """(kernel, its file, block -> (grid, arguments before eps; None where the output goes))."""
+    i32 = np.int32
+    return [("rmsnorm_naive", engine, lambda b: ((-(-T // b),), [None, i32(T), i32(H)])),
+            ("rmsnorm", engine, lambda b: ((T,), [None, i32(H)])),
+            ("rmsnorm_v2_smem_tree", ladder, lambda b: ((T,), [None, i32(H)])),
+            ("rmsnorm_v4_float4", ladder, lambda b: ((T,), [None, i32(H)])),
+            ("rmsnorm_v5_warp_row", ladder, lambda b: ((-(-T // (b // 32)),), [None, i32(T), i32(H)]))]
+
+
 @pytest.mark.slow
 @needs_cxx
 def test_rmsnorm_rungs_on_the_cpu():
@@ -131,17 +141,11 @@ def test_rmsnorm_rungs_on_the_cpu():
         x = (RNG.standard_normal((T, H), dtype=np.float32) * 3).astype(np.float32)
         w = RNG.standard_normal(H, dtype=np.float32)
         ref = rmsnorm_ref(x, w, lad.EPS)
-        runs = [("rmsnorm_naive", engine, lambda b: ((-(-T // b),), [x, w, None, np.int32(T), np.int32(H)])),
-                ("rmsnorm", engine, lambda b: ((T,), [x, w, None, np.int32(H)])),
-                ("rmsnorm_v2_smem_tree", ladder, lambda b: ((T,), [x, w, None, np.int32(H)])),
-                ("rmsnorm_v4_float4", ladder, lambda b: ((T,), [x, w, None, np.int32(H)])),
-                ("rmsnorm_v5_warp_row", ladder, lambda b: ((-(-T // (b // 32)),), [x, w, None, np.int32(T), np.int32(H)]))]
-        for name, kern, make in runs:
+        for name, kern, make in _rmsnorm_runs(engine, ladder, T, H):
             for block in (32, 64):
                 out = _poisoned((T, H), np.uint16)
                 grid, args = make(block)
-                args[2] = out
-                kern.launch(name, grid, (block,), args + [np.float32(lad.EPS)])
+                kern.launch(name, grid, (block,), [x, w, out] + args[1:] + [np.float32(lad.EPS)])
                 assert _err(bf16_to_f32(out), ref) < 5e-3, (name, T, H, block)
 
 
@@ -208,6 +212,13 @@ def test_paged_attention_rungs_on_the_cpu():
             assert _err(bf16_to_f32(out), ref.reshape(S, -1)) < 1e-2, (name, warps)
 
 
+def _gemv_grids(N):
+    """Blocks of each GEMV rung for N outputs, as a function of the block size (engine/bench/ladder.py's)."""
+    return {"gemv_v1_thread": lambda b: -(-N // b), "gemv_v2_warp": lambda b: -(-N // (b // 32)),
+            "gemv_v3_vec16": lambda b: -(-N // (b // 32)), "gemv_v4_rows": lambda b: -(-N // (4 * (b // 32))),
+            "gemv_v5_splitk": lambda b: -(-N // 4)}
+
+
 @pytest.mark.slow
 @needs_cxx
 def test_gemv_rungs_on_the_cpu():
@@ -217,10 +228,7 @@ def test_gemv_rungs_on_the_cpu():
         x, x_h = _bf16(T, K)
         ref = x_h.astype(np.float64) @ w_h.astype(np.float64).T
         args = [x, w, None, np.int32(T), np.int32(N), np.int32(K)]
-        grids = {"gemv_v1_thread": lambda b: -(-N // b), "gemv_v2_warp": lambda b: -(-N // (b // 32)),
-                 "gemv_v3_vec16": lambda b: -(-N // (b // 32)), "gemv_v4_rows": lambda b: -(-N // (4 * (b // 32))),
-                 "gemv_v5_splitk": lambda b: -(-N // 4)}
-        for name, grid in grids.items():
+        for name, grid in _gemv_grids(N).items():
             if K % 8 and name not in ("gemv_v1_thread", "gemv_v2_warp"):
                 continue
             for block in (32, 64, 128):
@@ -296,7 +304,7 @@ def test_cpu_shows_the_recorded_run_labelled(tmp_path, capsys):
     table = out[out.index("-- T=8 H=64"):]
     head = table.splitlines()[1].split()
     assert head[:7] == ["v", "kernel", "block", "us", "GB/s", "%copy", "vs"]
-    best = [ln for ln in table.splitlines() if ln.lstrip().startswith("*")]
+    best = [ln for ln in table.splitlines() if ln.lstrip().startswith("*v")]
     assert len(best) == 2 and "30.00" in best[0] and "10.0x" in best[1]      # v1's best 30 us, v2's 3 us: 10x
     assert "check T=1 H=3: 0/0 ok (n/a: v2)" in out
 
@@ -350,3 +358,125 @@ def test_work_figures():
     assert lad.FLASH.work({"Hq": 1, "D": 2, "T": 3}) == 4 * 2 * 6
     assert lad.PAGED.work({"ctxs": [3, 5], "Hkv": 2, "D": 4}) == 8 * 2 * 4 * 4
     assert lad.SOFTMAX.work({"H": 1, "T": 2}) == 4 * 3 + 2 * 4
+
+
+# -- the GPU driver itself (inputs, launch geometry, argument order, checks), on the CPU emulator ----
+
+class _HostArray(np.ndarray):
+    """A NumPy array with CuPy's .get(): stands in for device arrays when the driver runs on the emulator."""
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+def _host(a):
+    return np.asarray(a).view(_HostArray)
+
+
+class _FakeCupy:
+    """The part of CuPy that engine/bench/ladder.py uses to make inputs and read results, over NumPy."""
+    float32, uint32, uint16, uint8, int32 = np.float32, np.uint32, np.uint16, np.uint8, np.int32
+
+    class random:
+        class RandomState:
+            def __init__(self, seed):
+                self.rng = np.random.default_rng(seed)
+
+            def standard_normal(self, shape, dtype):
+                return _host(self.rng.standard_normal(shape, dtype=dtype))
+
+    class cuda:
+        class Device:
+            id = 0
+
+            def synchronize(self):
+                pass
+
+        @staticmethod
+        def get_current_stream():
+            return _FakeCupy.cuda.Device()
+
+    @staticmethod
+    def empty(shape, dtype):
+        return _host(np.empty(shape, dtype))
+
+    @staticmethod
+    def asarray(a):
+        return _host(np.ascontiguousarray(a))
+
+    @staticmethod
+    def arange(n, dtype):
+        return _host(np.arange(n, dtype=dtype))
+
+    @staticmethod
+    def get_default_memory_pool():
+        class Pool:
+            def free_all_blocks(self):
+                pass
+        return Pool()
+
+
+class _EmulatedCtx(lad.Ctx):
+    def kernel(self, build, name):
+        key = (build, name)
+        if key not in self._kernels:
+            host = HostKernels(KERNELS / build.source, dict(build.defines))
+            self._kernels[key] = lambda grid, block, args, shared_mem=0: host.launch(name, grid, block, list(args))
+        return self._kernels[key]
+
+
+SMALL_CASES = {"rmsnorm": {"T": 3, "H": 100}, "softmax": {"H": 2, "T": 12},
+               "paged_attention": {"Hq": 8, "Hkv": 2, "D": 64, "ctxs": [1, 20, 9], "BS": 7},
+               "gemv": {"T": 2, "N": 40, "K": 264}, "flash_attention": {"Hq": 4, "Hkv": 2, "D": 64, "T": 20}}
+
+
+@pytest.mark.slow
+@needs_cxx
+@pytest.mark.parametrize("name", list(lad.LADDERS))
+def test_ladder_driver_checks_every_rung_on_the_emulator(name, monkeypatch):
+    """run_ladder with the emulator in place of the GPU: every rung the emulator can run (no tensor
+    cores, no cuBLAS) passes its check, with the driver's own inputs, grids and argument order; the
+    rows make a run that validates and prints."""
+    import engine.backend
+    monkeypatch.setattr(engine.backend, "tensor_cores_usable", lambda device: False)
+    ladder = lad.LADDERS[name]
+    cuBLAS = {("flash_attention", 1), ("gemv", "ref")}      # host-side library calls: GPU only
+    small = lad.Ladder(**{**ladder.__dict__, "cases": [lad.Case("small", SMALL_CASES[name], False)],
+                          "rungs": [r for r in ladder.rungs if (name, r.version) not in cuBLAS]})
+    ctx = _EmulatedCtx(_FakeCupy, copy_gbps=1.0)
+    rows = lad.run_ladder(ctx, small, sweep=False, timed=False, log=None)
+    ran = [r for r in rows if "skipped" not in r]
+    assert ran and all(r["ok"] for r in ran), [(r["version"], r.get("error"), r.get("rel_err")) for r in ran]
+    assert {r["version"] for r in rows} == {r.version for r in small.rungs}
+    skipped = [r for r in rows if "skipped" in r]
+    assert all(r["skipped"] == "needs sm_80+ (mma.sync)" for r in skipped)
+    run = {"schema": lad.SCHEMA, "device": "emulator", "date": "2001-02-03", "copy_gbps": 1.0,
+           "ladders": [lad.describe(small) | {"rows": rows}]}
+    text = lad.format_ladder(lad.validate_run(json.loads(json.dumps(run)))["ladders"][0], run)
+    assert f"check small: {len(ran)}/{len(ran)} ok" in text
+
+
+def test_merged_runs_keep_each_ladder_and_refuse_mixed_gpus(tmp_path, capsys):
+    a, b = _fixture_run(), _fixture_run()
+    b["ladders"][0]["name"] = "gemv"
+    b["gemm_tflops"] = 700.0
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for p, run in zip(paths, (a, b)):
+        p.write_text(json.dumps(run))
+    out = tmp_path / "merged.json"
+    assert lad.main(["--json", str(out), "--merge", *map(str, paths), str(tmp_path / "missing.json")]) == 0
+    merged = lad.validate_run(json.loads(out.read_text()))
+    assert [x["name"] for x in merged["ladders"]] == ["rmsnorm", "gemv"] and merged["gemm_tflops"] == 700.0
+    b["device"] = "Other GPU"
+    with pytest.raises(lad.RecordedRunError, match="different GPUs"):
+        lad.merge_runs([a, b])
+
+
+def test_the_h200_script_runs_every_ladder():
+    script = (lad.REPO / "notes" / "measurements" / "ladder_h200.sh").read_text()
+    loop = re.search(r"for entry in ([^;]+);", script).group(1).split()
+    names = [e.split(":")[0] for e in loop]
+    assert names == list(lad.LADDERS) or sorted(names) == sorted(lad.LADDERS)
+    assert sum(int(e.split(":")[1]) for e in loop) <= 240          # the GPU time it may take, at most
+    for name in names:
+        assert f"ladder_{name}.json" in script

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,10 +54,6 @@ BF16_TOL = 1e-2
 L2_FLUSH_BYTES = 256 * 2**20      # a timed pass cycles over this many bytes of input copies (H200 L2: 60 MB)
 GRAPH_TARGET_MS = 3.0             # GPU time per timed graph replay
 ROUNDS = 7                        # replays; the median is reported
-
-
-class Unsupported(Exception):
-    """This rung does not take this shape or block size (the row says why instead of a time)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,8 +114,8 @@ class Ladder:
     cases: list[Case]
     work: Callable[[dict], float]    # bytes (GB/s) or flops (TFLOP/s) of one call
     tol: Callable[[dict], float]
-    make_inputs: Callable = None     # (ctx, params) -> dict of device inputs, output, reference
-    launch: Callable = None          # (ctx, rung, size, inputs, copy) -> zero-argument callable
+    make_inputs: Callable[..., dict]      # (ctx, params) -> dict of device inputs, output, reference
+    launch: Callable[..., Callable]       # (ctx, rung, size, inputs, copy) -> zero-argument callable
     work_note: str = ""
 
     def builds(self) -> list[Build]:
@@ -136,7 +133,7 @@ class Ladder:
 
 @dataclass
 class Ctx:
-    cp: object
+    cp: Any                          # the cupy module
     copy_gbps: float
     gemm_tflops: float | None = None
     seed: int = 1234
@@ -691,9 +688,9 @@ def _spot_rows(n: int, p: dict) -> list[int]:
 # ------------------------------------------------------------------------------------------------
 
 def run_ladder(ctx: Ctx, ladder: Ladder, *, sweep: bool = True, timed: bool = True,
-               log=print) -> list[dict]:
+               log=print, after_case=None) -> list[dict]:
     """Check every rung at every size (only its default size without `sweep`) on every case, and
-    time the timed cases; one row per (case, rung, size)."""
+    time the timed cases; one row per (case, rung, size). `after_case(rows)` runs after each case."""
     from engine.backend import tensor_cores_usable
     cp = ctx.cp
     tc = tensor_cores_usable(cp.cuda.Device().id)
@@ -742,11 +739,16 @@ def run_ladder(ctx: Ctx, ladder: Ladder, *, sweep: bool = True, timed: bool = Tr
         if log is not None:
             bad = [r for r in case_rows if not r.get("ok")]
             log(f"  {ladder.name} [{case.label}]: {len(case_rows) - len(bad)}/{len(case_rows)} checks ok"
-                + "".join(f"\n    FAIL v{r['version']} {r['kernel']} {r['block']}: "
-                          f"{r.get('error') or 'rel_err %.3g > %.3g' % (r['rel_err'], r['tol'])}" for r in bad))
+                + "".join(f"\n    FAIL v{r['version']} {r['kernel']} {r['block']}: {_failure(r)}" for r in bad))
         del inp
         cp.get_default_memory_pool().free_all_blocks()
+        if after_case is not None:
+            after_case(rows)
     return rows
+
+
+def _failure(row: dict) -> str:
+    return row.get("error") or f"rel_err {row['rel_err']:.3g} > tol {row['tol']:.3g}"
 
 
 def _add_speedups(rows: list[dict]) -> None:
@@ -765,8 +767,9 @@ def _add_speedups(rows: list[dict]) -> None:
         best["best"] = True
 
 
-def measure(names: list[str], *, sweep: bool = True, log=print) -> dict:
-    """Run the named ladders on this GPU; the run as a JSON-able dict (SCHEMA)."""
+def measure(names: list[str], *, sweep: bool = True, log=print, checkpoint=None) -> dict:
+    """Run the named ladders on this GPU; the run as a JSON-able dict (SCHEMA). `checkpoint(run)`
+    gets the run so far after every case (a run cut short still leaves its finished cases)."""
     from engine.backend import copy_bandwidth, gemm_tflops, gpu_name, resolve_backend, sm_count
     backend = resolve_backend("cupy")
     import cupy as cp
@@ -783,12 +786,33 @@ def measure(names: list[str], *, sweep: bool = True, log=print) -> dict:
            "command": "python -m engine.kernel_bench --ladder " + " ".join(names), "ladders": []}
     for name in names:
         lad = LADDERS[name]
-        rows = run_ladder(ctx, lad, sweep=sweep, log=log)
-        run["ladders"].append(describe(lad, ctx) | {"rows": rows})
+        entry = describe(lad) | {"copy_gbps": run["copy_gbps"], "gemm_tflops": run["gemm_tflops"], "rows": []}
+        run["ladders"].append(entry)
+        rows = run_ladder(ctx, lad, sweep=sweep, log=log,
+                          after_case=None if checkpoint is None else
+                          lambda rows, entry=entry: (entry.update(rows=rows), checkpoint(run)))
+        entry["rows"] = rows
     return run
 
 
-def describe(lad: Ladder, ctx: Ctx | None = None) -> dict:
+def merge_runs(runs: list[dict]) -> dict:
+    """One run of the ladders of several runs on the same GPU (one process per ladder: a crash or a
+    timeout in one loses only its own). Each ladder keeps the copy bandwidth and GEMM rate measured
+    in its own process."""
+    runs = [validate_run(r) for r in runs]
+    if not runs:
+        raise RecordedRunError("no runs to merge")
+    devices = {r["device"] for r in runs}
+    if len(devices) != 1:
+        raise RecordedRunError(f"runs from different GPUs: {sorted(devices)}")
+    merged = {k: v for k, v in runs[0].items() if k != "ladders"}
+    merged["ladders"] = [lad for r in runs for lad in r["ladders"]]
+    merged["gemm_tflops"] = next((r["gemm_tflops"] for r in runs if r.get("gemm_tflops")), None)
+    merged["command"] = "python -m engine.kernel_bench --ladder " + " ".join(lad["name"] for lad in merged["ladders"])
+    return merged
+
+
+def describe(lad: Ladder) -> dict:
     timed = [c for c in lad.cases if c.timed]
     return {"name": lad.name, "title": lad.title, "chapter": lad.chapter, "metric": lad.metric, "source": lad.source,
             "work": lad.work_note,
@@ -837,9 +861,10 @@ def format_ladder(lad: dict, run: dict) -> str:
     """The ladder's tables: one per timed case (every version at every block size; * its best), then
     one line per checked-only case."""
     rate, pct = ("GB/s", "%copy") if lad["metric"] == "GB/s" else ("TFLOP/s", "%gemm")
-    ceiling = (f"copy bandwidth {run['copy_gbps']:,.0f} GB/s" if lad["metric"] == "GB/s"
-               else f"bf16 GEMM {run.get('gemm_tflops') or float('nan'):,.0f} TFLOP/s")
-    what = {str(r["version"]): r for r in lad["rungs"]}
+    copy_gbps = lad.get("copy_gbps") or run["copy_gbps"]
+    gemm = lad.get("gemm_tflops") or run.get("gemm_tflops")
+    ceiling = (f"measured copy bandwidth {copy_gbps:,.0f} GB/s" if lad["metric"] == "GB/s"
+               else f"measured bf16 GEMM rate {gemm:,.0f} TFLOP/s" if gemm else "bf16 GEMM rate not measured")
     lines = [f"== {lad['name']} (chapter {lad['chapter']}): {lad['title']}"]
     for r in lad["rungs"]:
         tag = f"v{r['version']}" if isinstance(r["version"], int) else r["version"]
@@ -867,7 +892,10 @@ def format_ladder(lad: dict, run: dict) -> str:
                          f"{'-' if value is None else f'{value:,.1f}':>8} {row.get('pct', '-'):>6} "
                          f"{(str(row['speedup']) + 'x') if row.get('speedup') else '-':>7}  "
                          f"{'ok' if row.get('ok') else 'WRONG'} {row.get('rel_err', float('nan')):.1e}"
-                         + ("  (engine's)" if row.get("default") and what.get(tag.lstrip("v")) else ""))
+                         + ("  default" if row.get("default") else ""))
+    if any(r["timed"] for r in lad["rows"]):
+        lines.append("   * the version's fastest block size; default: the size its launcher uses (the engine's, for the "
+                     "engine's kernels); vs v1: v1's fastest time / this time; check: rel. error vs the NumPy reference")
     checks = [(label, rows) for label, rows in cases.items() if not rows[0]["timed"]]
     for label, rows in checks:
         ran = [r for r in rows if "skipped" not in r]
@@ -1017,11 +1045,14 @@ def run_command(args) -> int:
         print(f"No GPU here: {reason} Compiling every version, then the recorded GPU run.")
         status = 0 if args.no_compile else compile_check(names)
         return show_recorded(names, args.recorded) or status
-    run = measure(names, sweep=not args.no_sweep)
+    def write(run):
+        if args.json:
+            Path(args.json).write_text(json.dumps(run, indent=1) + "\n")
+    run = measure(names, sweep=not args.no_sweep, checkpoint=write)
     for lad in run["ladders"]:
         print(format_ladder(lad, run))
+    write(run)
     if args.json:
-        Path(args.json).write_text(json.dumps(run, indent=1) + "\n")
         print(f"wrote {args.json}")
     rows = [r for lad in run["ladders"] for r in lad["rows"] if "skipped" not in r]
     return 1 if any(not r.get("ok") for r in rows) else 0
@@ -1030,8 +1061,17 @@ def run_command(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
-    ap.add_argument("--json", default=None, help="write the run (schema %s) to this file" % SCHEMA)
+    ap.add_argument("--json", default=None, help=f"write the run (schema {SCHEMA}) to this file")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="RUN.json",
+                    help="merge runs of single ladders (same GPU) into the --json file, then show it")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.json:
+            ap.error("--merge needs --json OUT (the merged run)")
+        run = merge_runs([json.loads(p.read_text()) for p in args.merge if p.is_file()])
+        Path(args.json).write_text(json.dumps(run, indent=1) + "\n")
+        print(f"merged {len(run['ladders'])} ladders into {args.json}: {', '.join(lad['name'] for lad in run['ladders'])}")
+        return 0
     if not args.ladder:
         args.ladder = ["all"]
     return run_command(args)

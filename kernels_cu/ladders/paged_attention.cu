@@ -17,7 +17,7 @@
 //   v4  kernels_cu/paged_attention.cu paged_attention       + a cp.async pipeline through shared memory,
 //                                                           several keys' math per softmax rescale.
 //   v5  kernels_cu/paged_attention.cu paged_attention_tc    the group's heads on the tensor cores.
-//   v6  v5 + paged_attention_merge                          split-K: the context cut into slices for
+//   v6  paged_attention_tc + paged_attention_merge          split-K: the context cut into slices, for
 //                                                           more blocks when rows are few.
 // HEAD_DIM (a power of two, 16..256) and GROUP (query heads per KV head) are compile-time, as in
 // the engine's kernel; the number of warps is blockDim.x / 32 (at most MAX_WARPS).
