@@ -158,3 +158,14 @@ def test_what_counts_as_a_gpu_figure():
     assert found("26,163 / 27,777 tok/s") == ["26,163 tok/s", "27,777 tok/s"]
     assert found("1 796 GB/s achieved, in 17.4 ms") == ["1 796 GB/s", "17.4 ms"]
     assert found("about 93 MB, 2 × 16 × 8") == []
+
+
+def test_a_marker_covers_its_paragraph_only(registry):
+    wrapped = [("x.md:1", "the engine decodes at"), ("x.md:2", "770 tok/s through `LLM`<!--fig decode.b1.llm_tok_s-->")]
+    assert check_lines(wrapped, registry) == []
+    split = [("x.md:1", "the engine decodes at 770 tok/s"), ("x.md:2", ""),
+             ("x.md:3", "and more<!--fig decode.b1.llm_tok_s-->")]
+    problems = check_lines(split, registry)
+    assert any("unmarked GPU figure '770 tok/s'" in p for p in problems), problems
+    cells = [("nb#cell1:1", "770 tok/s"), ("nb#cell2:1", "<!--fig decode.b1.llm_tok_s-->")]
+    assert any("unmarked" in p for p in check_lines(cells, registry))

@@ -63,7 +63,7 @@ LIST_RE = re.compile(rf"(?<![\w.\-/])(?:{_NUM})(?:\s*/\s*(?:{_NUM}))+\s?(?P<unit
 _RATIO_CONTEXT = re.compile(
     r"copy|bandwidth|floor|GEMM|peak|roofline|busy|cuBLAS|transformers|faster|slower|speed-?up|H200|"
     r"GPU|kernel|tensor core|achieved|throughput|tok/s|TFLOP/s|GB/s|TB/s|\d\s?(?:ms|µs|us)\b", re.I)
-MARKER_RE = re.compile(r"<!--\s*(?P<kind>fig|nofig)\b(?P<body>.*?)-->")
+MARKER_RE = re.compile(r"(?<!`)<!--\s*(?P<kind>fig|nofig)\b(?P<body>.*?)-->")   # `<!--fig X-->` in code: an example
 
 
 @dataclass
