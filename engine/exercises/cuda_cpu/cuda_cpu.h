@@ -30,9 +30,14 @@
 #define __grid_constant__
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-// One copy per process: blocks run one after another, and the executor poisons the section (0xFF
-// bytes: NaN as a float) before each block, as uninitialized shared memory would be.
+// One copy per process: blocks run one after another. On ELF systems (Linux) the variables share a
+// section, which the executor poisons (0xFF bytes: NaN as a float) before each block, as
+// uninitialized shared memory would be; elsewhere they start as zeros and keep the last block's values.
+#if defined(__ELF__)
 #define __shared__ __attribute__((section("cudacpu_shared"))) static
+#else
+#define __shared__ static
+#endif
 
 // ------------------------------------------------------------------------------- vector types
 struct uint3 { unsigned int x, y, z; };

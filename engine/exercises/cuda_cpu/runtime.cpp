@@ -42,9 +42,16 @@ dim3 cudacpu_blockDim, cudacpu_gridDim;
 void cudacpu_entry(void** args);      // the launcher appended to the kernel's source defines it
 }
 
-// __start_/__stop_ of the __shared__ variables' section (the linker defines them when it exists)
+// __start_/__stop_ of the __shared__ variables' section (an ELF linker defines them when it exists)
+#if defined(__ELF__)
 extern "C" char __start_cudacpu_shared[] __attribute__((weak));
 extern "C" char __stop_cudacpu_shared[] __attribute__((weak));
+static char* shared_begin() { return __start_cudacpu_shared; }
+static char* shared_end() { return __stop_cudacpu_shared; }
+#else
+static char* shared_begin() { return nullptr; }
+static char* shared_end() { return nullptr; }
+#endif
 
 namespace {
 
@@ -374,11 +381,12 @@ int cudacpu_launch(const unsigned* grid, const unsigned* block, void** args, int
     if (schedule == 1) std::reverse(block_order.begin(), block_order.end());
     if (schedule == 2) std::shuffle(block_order.begin(), block_order.end(), rng);
     std::vector<unsigned> order(threads);
-    const size_t shared_bytes = __start_cudacpu_shared ? (size_t)(__stop_cudacpu_shared - __start_cudacpu_shared) : 0;
+    char* const shared = shared_begin();
+    const size_t shared_bytes = shared ? (size_t)(shared_end() - shared) : 0;
     int status = 0;
     for (unsigned long long b : block_order) {
         cudacpu_blockIdx = {(unsigned)(b % gd.x), (unsigned)(b / gd.x % gd.y), (unsigned)(b / ((unsigned long long)gd.x * gd.y))};
-        if (shared_bytes) memset(__start_cudacpu_shared, 0xFF, shared_bytes);
+        if (shared_bytes) memset(shared, 0xFF, shared_bytes);
         for (unsigned i = 0; i < threads; ++i) { order[i] = i; g_fibers[i].state = RUNNABLE; }
         if (schedule == 1) std::reverse(order.begin(), order.end());
         g_finished = 0;
