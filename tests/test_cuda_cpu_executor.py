@@ -6,6 +6,7 @@ name the learner's line; endless loops, out-of-range accesses, deadlocks and wro
 get a verdict instead of a hang or a crash. The emulated CUDA itself (bf16 rounding, warp shuffles,
 __syncthreads, shared memory) is checked on small kernels against NumPy.
 """
+import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,22 @@ def test_a_lane_that_returns_before_a_shuffle_is_a_deadlock_not_a_hang(capsys):
     source = _solution("rmsnorm").replace("float ss = 0.0f;", "float ss = 0.0f;\n    if (lane == 5) return;")
     verdict, out = check_on_cpu("rmsnorm", source, capsys)
     assert verdict is False and "cannot go on" in out and "lane 5" in out and "returned" in out, out
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("volatile float big[200000]; big[threadIdx.x] = 1.0f; out[threadIdx.x] = big[threadIdx.x + 1];",
+     "a stack overflow"),
+    pytest.param("volatile int zero = 0; out[threadIdx.x] = (float)(7 / zero);", "an integer division by zero",
+                 marks=pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                          reason="only x86 traps on an integer division by zero")),
+    ("if (threadIdx.x == 3) __trap(); out[threadIdx.x] = 1.0f;", "__trap()"),
+])
+def test_a_fault_inside_the_kernel_is_named(body, expected):
+    source = f'extern "C" __global__ void probe(float* out) {{ {body} }}'
+    so = cuda_cpu.build(source, "probe.cu", "probe", {})
+    case = Case("probe", (1,), 32, {}, lambda d: (d["out"],), "f32", np.ones((1, 32), np.float32))
+    outcome = cuda_cpu.run_case(so, "probe", case, 3, POISON["f32"], cuda_check.BITS["f32"])
+    assert outcome.crash is not None and expected in outcome.crash, outcome.crash
 
 
 def test_what_the_kernel_prints_is_shown(capsys):

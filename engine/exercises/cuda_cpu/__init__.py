@@ -137,16 +137,6 @@ def gpu_compiler() -> str | None:
     return None
 
 
-def describe() -> str:
-    """One line: how a kernel is compiled and run on this machine."""
-    reason = unavailable_reason()
-    if reason:
-        return f"no CPU executor here: {reason}"
-    gpu = gpu_compiler()
-    check = f"compile check with {gpu}" if gpu else "no NVRTC or nvcc (host compiler errors only)"
-    return f"{check}; run with {Path(host_compiler() or '?').name} on the CPU executor"
-
-
 # ----------------------------------------------------------------------------------------------
 # 1. The GPU compile check
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +212,17 @@ def _compiler_id() -> str:
         return str(host_compiler())
 
 
+@functools.cache
+def _kernel_flags() -> tuple[str, ...]:
+    """-fstack-clash-protection where the compiler has it: a thread's large local array then touches
+    every page it allocates, so a stack overflow lands on the guard page below the stack (and is
+    named) instead of on another thread's stack."""
+    with tempfile.TemporaryDirectory(prefix="cuda_cpu_probe_") as tmp:
+        (Path(tmp) / "probe.cpp").write_text("int probe() { return 0; }\n")
+        r = _run_compiler([_cxx(), "-fstack-clash-protection", "-Werror", "-c", "probe.cpp", "-o", "probe.o"], Path(tmp))
+    return ("-fstack-clash-protection",) if r.returncode == 0 else ()
+
+
 def _run_compiler(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
@@ -258,7 +259,7 @@ def build(text: str, shown: str, kernel: str, defines: dict) -> Path:
         raise CpuBuildError("the CPU executor runs no kernel with dynamic shared memory (extern __shared__): "
                             "declare the array with a fixed size")
     runtime = _runtime_object()
-    flags = [*CXX_FLAGS, "-include", str(HEADER), f"-I{INCLUDE}", f"-I{KERNELS_DIR}",
+    flags = [*CXX_FLAGS, *_kernel_flags(), "-include", str(HEADER), f"-I{INCLUDE}", f"-I{KERNELS_DIR}",
              *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = _digest(text, kernel, flags, runtime.name, _include_texts(text, KERNELS_DIR))
     so = cache_dir() / f"kernel-{key}.so"

@@ -4,7 +4,8 @@
 // for the GPU compiles and runs on a CPU: the launch variables (threadIdx, blockIdx, blockDim,
 // gridDim), the qualifiers, __syncthreads (a real barrier), the warp shuffles and votes (each one a
 // barrier of the warp's 32 lanes), atomics, the math intrinsics and __nv_bfloat16 with
-// round-to-nearest-even conversions. The threads of a block are fibers of one OS thread
+// round-to-nearest-even conversions. __syncthreads() waits for the block's threads that have not
+// returned (as GPUs since Volta do). The threads of a block are fibers of one OS thread
 // (runtime.cpp): a thread runs until it reaches a barrier, a shuffle or its end, then the next one
 // runs, so everything between two barriers is atomic and no atomics or locks are needed. `include/`
 // holds empty stand-ins for <cuda_bf16.h> and friends, so `#include "common.cuh"` works unchanged.
