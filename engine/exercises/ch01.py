@@ -7,6 +7,7 @@ the default model through it (engine.formats.safetensors.use_header_reader) and 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -305,16 +306,21 @@ HEADER_MISTAKES: list[tuple[str, dict]] = [
 ]
 
 
+def _normalized(table):
+    """A returned table with tuples and ints throughout (lists and NumPy ints are fine), or as it came."""
+    try:
+        return {k: (v[0], tuple(int(d) for d in v[1]), int(v[2]), int(v[3])) for k, v in table.items()}
+    except Exception:
+        return table
+
+
 def _outcome(fn, data) -> tuple[str, object]:
-    """('ok', table normalized to tuples) or ('raised', the exception's type name)."""
+    """('ok', the table normalized) or ('raised', the exception's type name)."""
     try:
         got = fn(data)
     except Exception as e:  # a refusal, right or wrong
         return "raised", type(e).__name__
-    try:
-        return "ok", {k: (v[0], tuple(int(d) for d in v[1]), int(v[2]), int(v[3])) for k, v in got.items()}
-    except Exception:
-        return "ok", got
+    return "ok", _normalized(got)
 
 
 def _same_outcome(a, b) -> bool:
@@ -324,14 +330,15 @@ def _same_outcome(a, b) -> bool:
 def _diagnosis(fn_outcomes: list, cases: list[HeaderCase], failed: int) -> str:
     """The mistake whose reader behaves like the learner's on every case, else on the failing one."""
     matches = []
-    for text, switches in HEADER_MISTAKES:
-        outcomes = [_outcome(lambda d: reference_header_reader(d, **switches), c.data) for c in cases]
+    for order, (text, switches) in enumerate(HEADER_MISTAKES):
+        mistake = functools.partial(reference_header_reader, **switches)
+        outcomes = [_outcome(mistake, c.data) for c in cases]
         if _same_outcome(outcomes[failed], fn_outcomes[failed]):
             everywhere = all(_same_outcome(a, b) for a, b in zip(outcomes, fn_outcomes))
-            matches.append((not everywhere, text))
+            matches.append((not everywhere, order, text))
     if not matches:
         return ""
-    return f" -- it looks like {min(matches)[1]}"
+    return f" -- it looks like {min(matches)[2]}"
 
 
 def _table_difference(got, want: dict, data: bytes) -> str:
@@ -349,7 +356,8 @@ def _table_difference(got, want: dict, data: bytes) -> str:
             return f"returned {row!r} for tensor {name!r}; expected (dtype, shape, start, stop) = {want[name]}"
         if mine != want[name]:
             shift = mine[2] - want[name][2]
-            why = f" (start {shift:+d} bytes from the right one)" if shift and mine[3] - mine[2] == want[name][3] - want[name][2] else ""
+            same_size = mine[3] - mine[2] == want[name][3] - want[name][2]
+            why = f" (start {shift:+d} bytes from the right one)" if shift and same_size else ""
             return f"returned {mine} for tensor {name!r}, expected {want[name]}{why}"
     return "returned a different table"
 
@@ -414,6 +422,13 @@ def check_reader_in_model(fn: Callable, prompt: str = "What is the capital of Fr
     from engine.runtime.sampling_params import SamplingParams
 
     title = "your reader on the real model"
+    try:                     # an unsolved exercise needs no model: try it on a small file first
+        fn(header_cases()[0].data)
+    except NotImplementedError:
+        print(f"[ ] {title}: not attempted yet (the function still raises NotImplementedError)")
+        return False
+    except Exception:        # judged below, on the real file
+        pass
     try:
         model_dir = engine.ensure_default_model()
     except Exception as e:   # offline, no pip: the crafted-file checks above still stand
@@ -427,7 +442,7 @@ def check_reader_in_model(fn: Callable, prompt: str = "What is the capital of Fr
         ok, got = call_learner(title, f"{getattr(fn, '__name__', 'fn')}(<{path.name}>)", fn, data)
         if not ok:
             return False
-        if _outcome(lambda d: got, None) != ("ok", want):
+        if _normalized(got) != want:
             print(f"[x] {title}: {path.name} ({path.stat().st_size:,} bytes): your reader "
                   f"{_table_difference(got, want, b'')}")
             return False
