@@ -66,41 +66,54 @@ class MyAllocator(PageAllocatorSkeleton):
             raise OutOfPages(f"sequence {seq_id} cannot grow to {new_len} tokens")
         is_new = seq_id not in self.tables
         table = self.tables.setdefault(seq_id, [])
-        taken = [self.free_list.popleft() for _ in range(self.pages_needed(new_len) - len(table))]
+        taken = []
+        for _ in range(self.pages_needed(new_len) - len(table)):
+            page = self.free_list.head                  # the oldest free page
+            self.free_list.remove(page)
+            self.refs[page] = 1
+            taken.append(page)
         table.extend(taken)
-        self.journal.append(("reserve", seq_id, len(taken), is_new))
+        self.journal.append(("reserve", seq_id, taken, is_new))
         return taken
 
     def free(self, seq_id):
         if seq_id not in self.tables:
             raise AllocatorError(f"sequence {seq_id} holds no pages")
         table = self.tables.pop(seq_id)
-        self.free_list.extend(table)
+        for page in reversed(table):                    # the last page first, to the tail
+            self.refs[page] = 0
+            self.free_list.append(page)
         self.journal.append(("free", seq_id, table))
 
     def rollback(self):
         while self.journal:
-            record = self.journal.pop()
-            if record[0] == "reserve":
-                _, seq_id, n_taken, is_new = record
-                for _ in range(n_taken):
-                    self.free_list.appendleft(self.tables[seq_id].pop())
+            record = self.journal.pop()                 # newest first
+            if record[0] == "reserve":                  # the taken pages back to the HEAD, in order
+                _, seq_id, taken, is_new = record
+                for page in reversed(taken):
+                    self.tables[seq_id].pop()
+                    self.refs[page] = 0
+                    self.free_list.insert_after(-1, page)
                 if is_new:
                     del self.tables[seq_id]
-            else:
+            else:                                       # the freed pages off the tail, the table back
                 _, seq_id, table = record
-                for _ in table:
-                    self.free_list.pop()
+                for page in table:
+                    self.free_list.remove(page)
+                    self.refs[page] = 1
                 self.tables[seq_id] = table
 
+
 class FreesToTheWrongEnd(MyAllocator):
-    """Freed pages go back on the left: the next reserve reuses them at once (the free list order differs)."""
+    """Freed pages go back at the head: the next reserve reuses them at once (the free queue order differs)."""
 
     def free(self, seq_id):
         if seq_id not in self.tables:
             raise AllocatorError(f"sequence {seq_id} holds no pages")
         table = self.tables.pop(seq_id)
-        self.free_list.extendleft(table)
+        for page in table:
+            self.refs[page] = 0
+            self.free_list.insert_after(-1, page)
         self.journal.append(("free", seq_id, table))
 
 

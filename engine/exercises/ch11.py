@@ -430,24 +430,31 @@ def check_paged_attention_kernel(source=None) -> bool | None:
 # ----------------------------------------------------------------------------- write the page allocator yourself
 
 class PageAllocatorSkeleton(PageAllocator):
-    """engine.runtime.kv_allocator.PageAllocator with reserve, free and rollback left to you.
+    """engine.runtime.kv_allocator.PageAllocator with reserve, free and rollback left to you (no page
+    is shared between sequences here: chapter 15's prefix caching adds that, and it is off while your
+    allocator runs).
 
     The state (all yours to change):
-      self.free_list   deque of free page numbers: take from the LEFT (popleft), give back on the RIGHT
+      self.free_list   the free pages, a FreeQueue: .head is the first free page (-1 when none),
+                       .remove(page) takes a page out, .append(page) puts one at the tail,
+                       .insert_after(-1, page) puts one back at the head; len() and iteration work
       self.tables      {seq_id: [page, page, ...]} the page table of every sequence holding pages
+      self.refs        one count per page: how many tables hold it (0 when free, 1 when in a table)
       self.journal     a list for your undo records since the last commit (commit() clears it)
     Tools: self.pages_needed(n_tokens) = ceil(n / page_size); self.can_reserve(seq_id, new_len).
 
       reserve(seq_id, new_len) -> list[int]
-          Grow seq's table (a new one if it has none) to cover positions < new_len; return the pages
-          just taken, in order (maybe []). If it cannot (self.can_reserve is False), raise
-          OutOfPages and change nothing. Record what rollback() needs to undo it.
+          Grow seq's table (a new one if it has none) to cover positions < new_len, taking pages from
+          the HEAD of the free list; return the pages just taken, in order (maybe []). If it cannot
+          (self.can_reserve is False), raise OutOfPages and change nothing. Record what rollback()
+          needs to undo it.
       free(seq_id)
-          Give all of seq's pages back (append them to the free list in table order) and forget
-          its table. A sequence without a table: raise AllocatorError. Record it for rollback().
+          Give all of seq's pages back to the TAIL of the free list, the LAST page of the table first
+          (a prefix outlives its tail there), and forget its table. A sequence without a table: raise
+          AllocatorError. Record it for rollback().
       rollback()
           Undo every reserve and free since the last commit, newest first, so that the free list
-          (same order!) and the tables are exactly what they were at the last commit.
+          (same order!), the tables and the counts are exactly what they were at the last commit.
     """
 
     @property
@@ -457,6 +464,10 @@ class PageAllocatorSkeleton(PageAllocator):
     @property
     def tables(self) -> dict[int, list[int]]:
         return self._tables
+
+    @property
+    def refs(self) -> list[int]:
+        return self._refs
 
     @property
     def journal(self) -> list:
@@ -511,9 +522,10 @@ def _apply(allocator, op) -> str:
 
 def check_page_allocator(cls: type, model_dir=None) -> bool:
     """Your PageAllocatorSkeleton subclass behaves exactly like the engine's PageAllocator on ~40 scripts
-    of reserve/free/commit/rollback (results, errors, free list order and tables after every step), then
-    runs engine.LLM (paged cache, preemptions) with the same step log and tokens as the engine's."""
-    from engine.exercises.serving_check import check_llm_with, tiny_model_dir
+    of reserve/free/commit/rollback (results, errors, free list order, tables and counts after every
+    step), then runs engine.LLM (paged cache, preemptions) with the same step log and tokens as the
+    engine's."""
+    from engine.exercises.serving_check import tiny_model_dir
     title = "page_allocator"
     count = 0
     for num_pages, page_size, ops in _allocator_scripts(3):
@@ -535,8 +547,52 @@ def check_page_allocator(cls: type, model_dir=None) -> bool:
                 return False
         count += 1
     print(f"[OK] {title}: the same results and states as the engine's on all {count} scripts")
-    return check_llm_with(title, model_dir or tiny_model_dir(), *_tiny_requests(), kv_cache_mib=0.05,
-                          allocator_cls=cls)
+    return check_allocator_in_llm(title, cls, model_dir or tiny_model_dir(), *_tiny_requests(), kv_cache_mib=0.05)
+
+
+def check_allocator_in_llm(title: str, cls: type, model_dir, prompts, params, *, kv_cache_mib: float,
+                           max_seqs: int = 4, show_text: bool = False) -> bool:
+    """engine.LLM (NumPy, paged, on-demand admission, prefix caching off) with your allocator class and
+    with the engine's: the same step log, the same tokens for every request."""
+    import engine
+    from engine.exercises.serving_check import compare_step_logs
+
+    def run(**classes):
+        llm = engine.LLM(model_dir, backend="numpy", kv_cache="paged", kv_cache_mib=kv_cache_mib,
+                         admission="on_demand", max_seqs=max_seqs, max_context=256, prefix_caching=False, **classes)
+        results = llm.generate(prompts, params)
+        return [r.token_ids for r in results], llm.last_step_log, [r.text for r in results]
+    want_tokens, want_log, _ = run()
+    try:
+        got_tokens, got_log, texts = run(allocator_cls=cls)
+    except NotImplementedError:
+        print(f"[ ] {title}: not attempted yet (a method still raises NotImplementedError)")
+        return False
+    except Exception as e:  # the learner's bug, shown rather than raised
+        print(f"[x] {title}: engine.LLM with your class raised {type(e).__name__}: {e}")
+        return False
+    context = f" (engine.LLM, {len(prompts)} requests, {kv_cache_mib} MiB of KV pages, on-demand admission)"
+    if not compare_step_logs(title, got_log, want_log, context):
+        return False
+    for i, (mine, real) in enumerate(zip(got_tokens, want_tokens, strict=True)):
+        if mine != real:
+            print(f"[x] {title}{context}: request {i} generated {mine}, the engine {real}")
+            return False
+    preempted = sum(len(e["preempted"]) for e in want_log)
+    print(f"[OK] {title}{context}: the same {len(want_log)} steps ({preempted} preemptions) and the same tokens")
+    if show_text:
+        for i, text in enumerate(texts):
+            print(f"    request {i}: {text!r}")
+    return True
+
+
+def check_allocator_in_default_model(cls: type, max_new_tokens: int = 16) -> bool:
+    """The default model (SmolLM2) answers three chat prompts through engine.LLM with your allocator, in a
+    pool too small for all three at once; the same steps and tokens as with the engine's allocator."""
+    from engine.exercises.serving_check import default_chat_prompts, default_params
+    model_dir, prompts = default_chat_prompts()
+    return check_allocator_in_llm("your page allocator", cls, model_dir, prompts,
+                                  default_params(len(prompts), max_new_tokens), kv_cache_mib=5.0, show_text=True)
 
 
 def _tiny_requests():
