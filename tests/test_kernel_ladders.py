@@ -480,3 +480,70 @@ def test_the_h200_script_runs_every_ladder():
     assert sum(int(e.split(":")[1]) for e in loop) <= 240          # the GPU time it may take, at most
     for name in names:
         assert f"ladder_{name}.json" in script
+
+
+class _ClockCupy:
+    """Streams, events and graphs over a simulated GPU clock: a launch of `fn` advances it by fn.ms
+    (at launch time, or when a captured graph replays)."""
+
+    def __init__(self, capture_fails=False):
+        self.now, self.capturing, self.capture_fails = 0.0, None, capture_fails
+        clock = self
+
+        class Event:
+            def record(self, stream=None):
+                self.t = clock.now
+
+            def synchronize(self):
+                pass
+
+        class Graph:
+            def __init__(self, work):
+                self.work = work
+
+            def launch(self, stream):
+                clock.now += sum(self.work)
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def begin_capture(self):
+                if clock.capture_fails:
+                    raise RuntimeError("operation not permitted when stream is capturing")
+                clock.capturing = []
+
+            def end_capture(self):
+                graph, clock.capturing = Graph(clock.capturing), None
+                return graph
+
+            def synchronize(self):
+                pass
+
+        class cuda:
+            pass
+        cuda.Stream, cuda.Event = Stream, Event
+        cuda.get_elapsed_time = staticmethod(lambda a, b: b.t - a.t)
+        self.cuda = cuda
+
+    def launcher(self, ms):
+        def fn():
+            if self.capturing is not None:
+                self.capturing.append(ms)
+            else:
+                self.now += ms
+        return fn
+
+
+@pytest.mark.parametrize("ms", [0.004, 0.05, 1.5])       # graph-timed, graph-timed, launched between events
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_timer_reports_the_time_of_one_call(ms, capture_fails):
+    cp = _ClockCupy(capture_fails)
+    fns = [cp.launcher(ms) for _ in range(3)]                  # one launch per input copy
+    assert lad.time_us(cp, fns) == pytest.approx(1000 * ms)

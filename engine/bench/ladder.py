@@ -702,7 +702,10 @@ def run_ladder(ctx: Ctx, ladder: Ladder, *, sweep: bool = True, timed: bool = Tr
         case_rows = []
         for rung in ladder.rungs:
             default = rung.default_size(case.params)
-            sizes = rung.sizes if sweep else (default if default in rung.sizes else rung.sizes[0],)
+            sizes = list(rung.sizes) if sweep else []
+            if default is not None and default not in sizes:   # the launcher's own pick is always measured
+                sizes.append(default)
+            sizes = sizes or [rung.sizes[0]]
             for size in sizes:
                 row = {"case": case.label, "timed": case.timed, "version": rung.version, "kernel": rung.kernel,
                        "size": list(size) if isinstance(size, tuple) else size, "block": rung.block_label(size),
