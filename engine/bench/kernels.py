@@ -502,14 +502,16 @@ class Bench:
                         note="mismatch rate vs reference (fp32 reduction order may move a boundary)")
 
     # -- the numbered ladders of engine/bench/ladder.py: every version checked (and timed) at its
-    #    default block size; `--ladder NAME` sweeps the block sizes and prints the ladder's own table
+    #    default block size; `--ladder NAME` sweeps the block sizes and prints the ladder's own table.
+    #    --quick and --check-only (compute-sanitizer) check the small shapes only.
     def ladders(self):
         from engine.backend import sm_count
         from engine.bench import ladder as lad
         lad._CTX_SMS[0] = sm_count(self.cp.cuda.Device().id)
         ctx = lad.Ctx(self.cp, copy_gbps=self.copy_gbps, sms=lad._CTX_SMS[0])
         for name, ladder in lad.LADDERS.items():
-            for r in lad.run_ladder(ctx, ladder, sweep=False, timed=not self.check_only and not self.quick, log=None):
+            quick = self.check_only or self.quick
+            for r in lad.run_ladder(ctx, ladder, sweep=False, timed=not quick, small_only=quick, log=None):
                 if "skipped" in r:
                     continue
                 ms = r["us"] / 1000 if "us" in r else None

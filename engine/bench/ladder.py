@@ -687,15 +687,18 @@ def _spot_rows(n: int, p: dict) -> list[int]:
 # Running a ladder on the GPU
 # ------------------------------------------------------------------------------------------------
 
-def run_ladder(ctx: Ctx, ladder: Ladder, *, sweep: bool = True, timed: bool = True,
+def run_ladder(ctx: Ctx, ladder: Ladder, *, sweep: bool = True, timed: bool = True, small_only: bool = False,
                log=print, after_case=None) -> list[dict]:
-    """Check every rung at every size (only its default size without `sweep`) on every case, and
-    time the timed cases; one row per (case, rung, size). `after_case(rows)` runs after each case."""
+    """Check every rung at every size (only its default size without `sweep`) on every case (only the
+    small, checked-only ones with `small_only`), and time the timed cases; one row per (case, rung,
+    size). `after_case(rows)` runs after each case."""
     from engine.backend import tensor_cores_usable
     cp = ctx.cp
     tc = tensor_cores_usable(cp.cuda.Device().id)
     rows: list[dict] = []
     for case in ladder.cases:
+        if small_only and case.timed:
+            continue
         params = {**case.params, "_timed": case.timed}
         inp = ladder.make_inputs(ctx, params)
         work, tol = ladder.work(case.params), ladder.tol(case.params)
