@@ -272,6 +272,7 @@ def _check_on_cpu(exercise: Exercise, source, gpu_reason: str) -> bool | None:
             printed = (case.label, outcome.printed)
         if outcome.crash is not None:
             print(f"[x] {title}: case {case.label}: {outcome.crash}")
+            print(ON_CPU)
             _show_printed(printed)
             return False
         verdict = diagnose(outcome.runs, case.out_dtype, case.want, case.hints, case.exact, case.regions)
@@ -280,6 +281,7 @@ def _check_on_cpu(exercise: Exercise, source, gpu_reason: str) -> bool | None:
     checked = f"compiled with {tool} and the host compiler" if tool else "compiled with the host compiler only"
     if failures:
         print(f"[x] {title}: {_summarize(failures, cases)}")
+        print(ON_CPU)
         _show_printed(printed)
         return False
     print(f"[OK] {title}: all {len(cases)} cases pass on the CPU executor (three launches each in three thread orders, "
@@ -289,6 +291,9 @@ def _check_on_cpu(exercise: Exercise, source, gpu_reason: str) -> bool | None:
           f"{gpu_reason.rstrip('.')})")
     show_recorded(name)
     return True
+
+
+ON_CPU = "     (run on the CPU executor, no usable GPU here: the same cases and diagnosis as on a GPU, speed not measured)"
 
 
 def _show_printed(printed, lines: int = 20) -> None:
