@@ -14,6 +14,11 @@ An overridden stage runs unfused and eagerly: `add_rmsnorm` becomes `residual +=
 your `rmsnorm`, and the CUDA graph of a decode step (engine/runtime/cuda_graphs.py) is not captured or
 replayed while any override is active (`any_active()`), so each step launches your code for real.
 
+Two stages before the model have hooks of their own, in the same `with` style: the safetensors header
+reader (engine.formats.safetensors.use_header_reader, chapter 01: every file opened in the block is
+parsed by your function) and the BPE merge loop (engine.text.tokenizer.use_merge_loop, chapter 02:
+every encode() in the block merges with your function).
+
 Overrides are process-wide: for the duration of the `with` block every thread that runs the model
 sees them. Entering and leaving blocks is thread-safe (a lock), and blocks nest: leaving one puts
 back whatever was active before it. Do not let two threads override the same stage at once.
