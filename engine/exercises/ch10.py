@@ -171,8 +171,8 @@ class SchedulerSkeleton(Scheduler):
     (.num_tokens: prompt + generated, .worst_pages), self.allocator, self.admission.
 
     Chapter 10's schedule prefills whole prompts: chunked prefill (chapter 13) schedules differently,
-    so the skeleton refuses chunked_prefill=True (engine.LLM(..., chunked_prefill=False)). Sessions
-    (a chat's prefix reuse) are not part of it either: every prompt is computed whole.
+    so the skeleton refuses chunked_prefill=True (engine.LLM(..., chunked_prefill=False)). The prefix
+    cache (chapter 15) is not part of it either: every prompt is computed whole (prefix_caching=False).
     """
 
     def __init__(self, *args, **kwargs):
@@ -182,10 +182,9 @@ class SchedulerSkeleton(Scheduler):
         if self.chunked_prefill:
             raise ValueError("the scheduler exercise prefills whole prompts: use chunked_prefill=False "
                              "(engine.LLM(..., chunked_prefill=False))")
-
-    def submit(self, prompt_ids, params, session=None) -> int:
-        """Queue a request (a session is ignored: its prompt is computed whole)."""
-        return super().submit(prompt_ids, params)
+        if getattr(self, "prefix_caching", False):
+            raise ValueError("the scheduler exercise computes every prompt whole: use prefix_caching=False "
+                             "(engine.LLM(..., prefix_caching=False))")
 
     # ---- yours -----------------------------------------------------------------------------------
     def admit_waiting(self) -> list:
@@ -215,7 +214,7 @@ class SchedulerSkeleton(Scheduler):
         if not self._waiting or self._waiting[0] != request_id:
             raise ValueError(f"admit the head of the waiting queue ({list(self._waiting)[:1]}), not {request_id}")
         request = self._requests[request_id]
-        return self._start(request, request.num_tokens)
+        return self._start(request, [], None, request.num_tokens)   # no cached prefix: all of it computed
 
     def preempt(self, request_id: int) -> None:
         """Free its pages and put it back at the head of the queue (to be recomputed later)."""

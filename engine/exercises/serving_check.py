@@ -60,8 +60,11 @@ def run_llm(model_dir, prompts, params, *, kv_cache_mib: float, admission: str, 
             chunked_prefill: bool = True, **classes):
     """(token ids per request, step log, texts) of engine.LLM with the given classes."""
     import engine
+    # Chapters 10-11's schedules compute every prompt whole: the prefix cache (chapter 15, on by default
+    # with the engine's own classes) stays off in both runs, so that the two compare like with like.
     llm = engine.LLM(model_dir, backend="numpy", kv_cache_mib=kv_cache_mib, admission=admission,
-                     max_seqs=max_seqs, max_context=256, chunked_prefill=chunked_prefill, **classes)
+                     max_seqs=max_seqs, max_context=256, chunked_prefill=chunked_prefill, prefix_caching=False,
+                     **classes)
     results = llm.generate(prompts, params)
     return [r.token_ids for r in results], llm.last_step_log, [r.text for r in results]
 
