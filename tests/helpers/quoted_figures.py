@@ -2,7 +2,8 @@
 
 The prose: README.md, notes/*.md and the markdown cells of chapters/**/*.ipynb. A *figure* is a number
 with a unit that a GPU run produces: tok/s, TFLOP/s, GB/s, TB/s, GiB/s, MB/s, µs/us, ms, s, and a % or
-a × ratio next to a word that ties it to a run (copy bandwidth, floor, GEMM rate, transformers, ...).
+a ratio written against its number (0.75×, 17x) on a line that speaks of a measurement (copy, floor,
+GEMM, GPU, kernel, transformers, faster, a throughput or time unit, ...); "2 × 16" is a product.
 Every figure the scanner finds must carry a marker, an HTML comment (invisible in rendered Markdown
 and in JupyterLab) placed after it:
 
