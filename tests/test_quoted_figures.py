@@ -169,3 +169,9 @@ def test_a_marker_covers_its_paragraph_only(registry):
     assert any("unmarked GPU figure '770 tok/s'" in p for p in problems), problems
     cells = [("nb#cell1:1", "770 tok/s"), ("nb#cell2:1", "<!--fig decode.b1.llm_tok_s-->")]
     assert any("unmarked" in p for p in check_lines(cells, registry))
+
+
+def test_a_marker_in_inline_code_is_an_example(registry):
+    assert check_lines([("x.md:1", "mark it with `<!--fig NAME-->` after the number")], registry) == []
+    line = "run at 792 TFLOP/s in `python -m engine.bench`<!--fig h200.gemm_tflops-->"
+    assert check_lines([("x.md:1", line)], registry) == []

@@ -64,7 +64,8 @@ LIST_RE = re.compile(rf"(?<![\w.\-/])(?:{_NUM})(?:\s*/\s*(?:{_NUM}))+\s?(?P<unit
 _RATIO_CONTEXT = re.compile(
     r"copy|bandwidth|floor|GEMM|peak|roofline|busy|cuBLAS|transformers|faster|slower|speed-?up|H200|"
     r"GPU|kernel|tensor core|achieved|throughput|tok/s|TFLOP/s|GB/s|TB/s|\d\s?(?:ms|µs|us)\b", re.I)
-MARKER_RE = re.compile(r"(?<!`)<!--\s*(?P<kind>fig|nofig)\b(?P<body>.*?)-->")   # `<!--fig X-->` in code: an example
+MARKER_RE = re.compile(r"<!--\s*(?P<kind>fig|nofig)\b(?P<body>.*?)-->")
+CODE_SPAN_RE = re.compile(r"`[^`]*`")        # a marker inside inline code (`<!--fig X-->`) is an example
 
 
 @dataclass
@@ -115,8 +116,10 @@ def find_quotes(line: str) -> list[tuple[int, Quote | None, re.Match]]:
         mult = 1000.0 if m.group("k") else 1.0
         out.append((m.start(), Quote("", m.group(0), unit, a * mult, b * mult, ta * mult, tb * mult,
                                      m.group("b") is not None, line), m))
+    spans = [c.span() for c in CODE_SPAN_RE.finditer(line)]
     for m in MARKER_RE.finditer(line):
-        out.append((m.start(), None, m))
+        if not any(a <= m.start() < b for a, b in spans):
+            out.append((m.start(), None, m))
     out.sort(key=lambda t: t[0])
     return out
 
