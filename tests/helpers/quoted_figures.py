@@ -79,6 +79,7 @@ class Quote:
     tol_hi: float
     is_range: bool
     line: str
+    weak: bool = False  # a % or ratio on a line with no word of a measurement: a figure only if a marker names it
 
 
 def _parse_number(s: str) -> tuple[float, float]:
@@ -97,16 +98,15 @@ def find_quotes(line: str) -> list[tuple[int, Quote | None, re.Match]]:
     measured = bool(_RATIO_CONTEXT.search(bare))
     for m in LIST_RE.finditer(bare):
         unit = m.group("unit")
-        if unit in ("%", "×", "x") and not measured:
-            continue
+        weak = unit in ("%", "×", "x") and not measured
         for n in re.finditer(_NUM, m.group(0)[: m.start("unit") - m.start()]):
             a, ta = _parse_number(n.group(0))
-            out.append((m.start() + n.start(), Quote("", f"{n.group(0)} {unit}", unit, a, a, ta, ta, False, line), n))
+            out.append((m.start() + n.start(),
+                        Quote("", f"{n.group(0)} {unit}", unit, a, a, ta, ta, False, line, weak), n))
     bare = LIST_RE.sub(lambda m: " " * len(m.group(0)), bare)
     for m in FIGURE_RE.finditer(bare):
         unit = m.group("unit")
-        if unit in ("%", "×", "x") and not measured:
-            continue
+        weak = unit in ("%", "×", "x") and not measured
         if unit == "s" and m.group("k"):
             continue
         if unit in ("×", "x") and (bare[m.start("unit") - 1].isspace() or re.match(r"\s*[\d(]", bare[m.end():])):
@@ -115,7 +115,7 @@ def find_quotes(line: str) -> list[tuple[int, Quote | None, re.Match]]:
         b, tb = _parse_number(m.group("b")) if m.group("b") else (a, ta)
         mult = 1000.0 if m.group("k") else 1.0
         out.append((m.start(), Quote("", m.group(0), unit, a * mult, b * mult, ta * mult, tb * mult,
-                                     m.group("b") is not None, line), m))
+                                     m.group("b") is not None, line, weak), m))
     spans = [c.span() for c in CODE_SPAN_RE.finditer(line)]
     for m in MARKER_RE.finditer(line):
         if not any(a <= m.start() < b for a, b in spans):
@@ -293,7 +293,7 @@ def check_lines(lines, reg: Registry) -> list[Problem]:
     pending: list[Quote] = []
 
     def unmarked():
-        for q in pending:
+        for q in (q for q in pending if not q.weak):
             problems.append(_problem(f"{q.where}: unmarked GPU figure {q.text!r}: {q.line.strip()}", q))
         pending.clear()
 
@@ -315,12 +315,16 @@ def check_lines(lines, reg: Registry) -> list[Problem]:
                 pending.clear()
                 continue
             names = body.split()
-            if len(names) != len(pending):
+            strong = [q for q in pending if not q.weak]
+            # a marker names every figure before it, or the measured ones when it names fewer (the
+            # other % and ratios of the paragraph are then arithmetic)
+            covered = pending if len(names) == len(pending) else strong if len(names) == len(strong) else None
+            if covered is None:
                 problems.append(_problem(f"{where}: marker names {len(names)} figure(s) for the "
                                          f"{len(pending)} figure(s) before it ({[p.text for p in pending]}): "
                                          f"{line.strip()}"))
             else:
-                for name, q in zip(names, pending):
+                for name, q in zip(names, covered):
                     try:
                         why = holds(reg, name, q)
                     except FigureError as exc:
