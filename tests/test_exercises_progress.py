@@ -280,3 +280,20 @@ def test_the_tail_keeps_a_line_that_starts_at_the_cut(tmp_path, monkeypatch):
     room = progress.read_room(tmp_path)
     assert room.progress["eve"][("06", "check_softmax")].attempts == 4
     assert room.malformed_lines == 0 and room.bytes_not_read == 6 * len(lines[0])
+
+
+def test_a_truthy_report_passes_and_a_falsy_one_fails(room):
+    class Report:                                   # like model_check.ModelCheck: truthy only on a full match
+        def __init__(self, ok):
+            self.ok = ok
+
+        def __bool__(self):
+            return self.ok
+
+    def check_in_model(ok):
+        print("[OK] your embedding inside the model" if ok else "[x] your embedding inside the model: diverged")
+        return Report(ok)
+
+    check_in_model.__module__ = "engine.exercises.ch03"
+    assert logged(check_in_model)(True) and not logged(check_in_model)(False)
+    assert [r["status"] for r in records(room / "ana.jsonl")] == ["pass", "fail"]

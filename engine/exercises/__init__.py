@@ -222,7 +222,9 @@ def _encode(record: dict) -> bytes:
 
 
 def status_of(result: Any, verdicts: list[str], raised: BaseException | None) -> str:
-    if raised is None and result is True:
+    """pass: the checker returned True, or a truthy report (check_in_model's ModelCheck is truthy only on
+    a full match); skipped: it returned None after a [skipped] line; not-tried: a [ ] line and no [x]."""
+    if raised is None and _truthy(result):
         return "pass"
     marks = [v.split("]", 1)[0] + "]" for v in verdicts]
     if raised is None and "[x]" not in marks:
@@ -231,6 +233,13 @@ def status_of(result: Any, verdicts: list[str], raised: BaseException | None) ->
         if "[ ]" in marks:
             return "not-tried"
     return "fail"
+
+
+def _truthy(result: Any) -> bool:
+    try:
+        return result is not None and bool(result)
+    except Exception:   # an array, or a report without a truth value: not a verdict
+        return False
 
 
 class _Tee:
