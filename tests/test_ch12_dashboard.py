@@ -43,12 +43,12 @@ def counter(page, name: str) -> str:
     return page.text_content(f"#{name}")
 
 
-def send_requests(url: str, n: int, max_tokens: int) -> list[threading.Thread]:
+def send_requests(url: str, n: int, max_tokens: int, prompt: str | None = None) -> list[threading.Thread]:
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def one(i):
-        client.completions.create(model=MODEL_NAME, prompt=f"request {i} " * (3 + i), max_tokens=max_tokens,
+        client.completions.create(model=MODEL_NAME, prompt=prompt or f"request {i} " * (3 + i), max_tokens=max_tokens,
                                   temperature=0.0, extra_body={"ignore_eos": True})
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
@@ -87,3 +87,12 @@ def test_dashboard_counts_follow_the_load(server, page, tmp_path):
     assert counter(page, "pages").startswith("0 / ")
     assert int(counter(page, "tokens")) >= tokens_before + 10 * 120
     assert float(counter(page, "tps")) >= 0
+
+    # the same long prompt twice: the second finds the first's pages, and the page shows the hits
+    for t in send_requests(srv.url, n=1, max_tokens=4, prompt="one shared system prompt " * 20):
+        t.join(timeout=120)
+    for t in send_requests(srv.url, n=1, max_tokens=4, prompt="one shared system prompt " * 20):
+        t.join(timeout=120)
+    page.wait_for_function("!document.getElementById('prefix').textContent.startsWith('0%') && "
+                           "document.getElementById('prefix').textContent !== '–'", timeout=30000)
+    assert "cached" in counter(page, "prefix") and llm.stats()["prefix_cache"]["hit_tokens"] > 0

@@ -198,6 +198,14 @@ def test_health_and_metrics(server, client):
     assert values["engine_kv_pages_total"] == 64 and values["engine_generation_tokens_total"] >= 3
     assert values["engine_time_to_first_token_seconds_count"] >= 1
     assert 0 < values['engine_time_to_first_token_seconds{quantile="0.5"}'] < 60
+    # the same long prompt again: its pages come from the prefix cache, and the counters say so
+    for _ in range(2):
+        client.completions.create(model=MODEL_NAME, prompt="a shared system prompt " * 16, max_tokens=2, **GREEDY)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    after = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert after["engine_prefix_cache_hits_total"] >= 32 + values["engine_prefix_cache_hits_total"]
+    assert after["engine_prefix_cache_queries_total"] > after["engine_prefix_cache_hits_total"]
+    assert after["engine_kv_pages_cached"] > 0 and after["engine_kv_pages_shared"] == 0
 
 
 def test_disconnect_cancels_the_request(server, served):

@@ -187,20 +187,21 @@ def test_eos_discards_the_row_already_in_flight_and_fail_is_refused():
     assert sched.pop_finished() == [] and sched.allocator.num_free == 8
 
 
-def test_pages_are_registered_when_the_batch_that_wrote_them_completes():
-    """Prefix caching: a lookahead batch is scheduled before the previous one completes, so the pages
-    the previous one fills are named only at its complete(); a page written by the batch still in
-    flight (here the one where eos lands) is not full of known tokens, and is never named."""
+def test_a_page_whose_last_token_is_pending_is_named_once_it_is_known():
+    """Prefix caching names a page as the row that writes it forms, if its tokens are known; a
+    lookahead decode row writes a PENDING token, so the page it fills is named when the step that
+    sampled that token completes."""
     sched = Scheduler(PageAllocator(8, 4), 4, 16, 32, eos_token_ids=[EOS], async_scheduling=True,
                       prefix_caching=True)
-    sched.submit([1, 2, 3, 4, 5], params(10, ignore_eos=False))
+    sched.submit([1, 2, 3], params(10, ignore_eos=False))
     first = sched.schedule()
-    second = sched.schedule()                                  # the decode of the pending token
-    assert sched.allocator.snapshot()["keys"] == {}
-    sched.complete(first.batch_id, [EOS])                      # page 0 (1 2 3 4) is named now
+    second = sched.schedule()                                  # feeds first's pending token at 3
+    assert sched.allocator.snapshot()["keys"] == {}            # page 0 is full, its last token unknown
+    sched.complete(first.batch_id, [7])
+    assert sched.allocator.snapshot()["keys"] == {}            # first's row filled 3 positions only
+    sched.complete(second.batch_id, [EOS])                     # page 0 (1 2 3 7) is named now
     assert list(sched.allocator.snapshot()["keys"]) == first.rows[0].page_table[:1]
-    sched.complete(second.batch_id, [5])
-    nxt = sched.submit([1, 2, 3, 4, 5, EOS, 6], params(1))
+    nxt = sched.submit([1, 2, 3, 7, 9], params(1))
     batch = sched.schedule()
     assert batch.rows[0].request_id == nxt and batch.rows[0].start_pos == 4   # page 0 only
 

@@ -19,10 +19,14 @@ ceiling (copy bandwidth). Scenarios:
            the serving path (LLM, chunked prefill into the paged cache, time to the first token)
   chunked-itl    --itl-requests requests are decoding when a --long-prompt-token prompt arrives:
            p50/p99 inter-token latency of the running requests with and without chunked prefill
+  shared-prefix  --requests requests sharing a --system-len-token system prompt, with and without
+           prefix caching: output tok/s, prompt tokens computed, time to first token (engine/bench/prefix.py)
+  chat-turns     a --turns-turn conversation with and without prefix caching: time to first token per turn
 
     python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario prefill decode --hf
     python -m engine.bench --backend numpy --scenario decode --prompt-len 128 --new-tokens 128 --hf
     python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario long-prefill chunked-itl --hf
+    python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario shared-prefix chat-turns
 
     python -m engine.bench --preset llama-3.2-1b --backend cupy --profile     # per-kernel times of a step
 
@@ -45,11 +49,12 @@ from typing import Any
 import numpy as np
 
 from engine.backend import BACKENDS, copy_bandwidth, gemm_tflops, resolve_backend
+from engine.bench import prefix
 from engine.bench.workload import emit, random_prompt, serve_workload, warm_up_requests
 from engine.formats.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
-             "chunked-itl")
+             "chunked-itl", "shared-prefix", "chat-turns")
 
 
 def device_name(backend) -> str:
@@ -260,12 +265,16 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         modes = ["static+contiguous", "static+paged", "continuous+contiguous", "continuous+paged"]
         hf = None        # a padded batch of 1,024 rows is not a peer for a 128-seat server
     for mode in modes:
-        batching, kv, *host = mode.split("+")       # "+sync": the host schedules one step at a time
+        # "+sync": the host schedules one step at a time; "+nocache": no prefix caching
+        batching, kv, *flags = mode.split("+")
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs,
-                  async_scheduling=False if host == ["sync"] else None)
+                  async_scheduling=False if "sync" in flags else None,
+                  prefix_caching=False if "nocache" in flags else None)
         warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs, llm.max_context, llm.max_batch_tokens)
         llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
+        if llm.prefix_caching:      # the warm-up's prompts are cut from the workload's: forget them
+            llm.reset_prefix_cache()
         backend.synchronize()
         t = time.perf_counter()
         results = llm.generate(prompts, params)
@@ -283,7 +292,8 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
               "pct_of_floor": round(100 * floor / sec, 1), "gemm_tflops": tflops and round(tflops, 1),
               "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1), "max_seqs": llm.max_seqs,
               "cuda_graphs": llm.decode_graphs.enabled, "graph_replays": llm.decode_graphs.replays,
-              "async_scheduling": llm.async_scheduling,
+              "async_scheduling": llm.async_scheduling, "prefix_caching": llm.prefix_caching,
+              "prefix_hit_tokens": sum(s["reused_tokens"] for s in log),
               "discarded_rows": sum(len(s.get("discarded", ())) for s in log)})
         del llm
         if backend.is_gpu:
@@ -468,9 +478,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seqs", type=int, default=None)
     ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size for serve")
-    ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+paged+sync",
-                                                          "continuous+contiguous", "static+contiguous"],
-                    help="batching+cache[+sync]; +sync: no async scheduling (the host schedules between steps)")
+    ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+paged+nocache",
+                                                          "continuous+paged+sync", "continuous+contiguous",
+                                                          "static+contiguous"],
+                    help="batching+cache[+sync][+nocache]; +sync: no async scheduling (the host schedules "
+                         "between steps); +nocache: no prefix caching")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     ap.add_argument("--oversub-requests", type=int, default=1024, help="requests of serve-oversubscribed")
@@ -488,6 +500,7 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-prompt-len", type=int, default=256, help="chunked-itl: their prompt length")
     ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
     ap.add_argument("--http-clients", type=int, default=4, help="serve-http: load-generator processes")
+    prefix.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.hf and not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         print("error: --hf measures transformers in the same run, which needs torch and transformers: "
@@ -550,6 +563,12 @@ def main(argv=None) -> int:
     if "chunked-itl" in args.scenario:
         model = None
         scenario_chunked_itl(args, setup, model_dir, backend)
+    if "shared-prefix" in args.scenario:
+        model = None
+        prefix.scenario_shared_prefix(args, setup, model_dir, backend, cfg.vocab_size)
+    if "chat-turns" in args.scenario:
+        model = None
+        prefix.scenario_chat_turns(args, setup, model_dir, backend, cfg.vocab_size)
     return 0
 
 

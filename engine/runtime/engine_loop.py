@@ -135,6 +135,12 @@ class EngineLoop:
             self._cancels.add(request_id)
             self._cv.notify_all()
 
+    def reset_prefix_cache(self) -> None:
+        with self.lock:                      # between two iterations: the scheduler is at rest
+            if self.scheduler.has_unfinished() or self._in_flight is not None:
+                raise RuntimeError("reset_prefix_cache() while requests run: wait for them first")
+            self.scheduler.clear_prefix_cache()
+
     def collect_steps(self) -> list[StepRecord]:
         """A list that receives every step's log entry until stop_collecting() (LLM.last_step_log)."""
         log: list[StepRecord] = []

@@ -293,6 +293,10 @@ class KVAllocator:
     def lookup(self, key: Hashable) -> int | None:
         return self._page_of.get(key)
 
+    def lookup_page(self, page: int) -> Hashable | None:
+        """The key a page is registered under (None: it holds nothing anyone can find)."""
+        return self._key_of.get(page)
+
     def serial(self, page: int) -> int:
         """The number of page's registration (unique for the allocator's life): what a key names a
         parent page by."""
@@ -337,8 +341,12 @@ class KVAllocator:
         self._set_table(seq_id, list(pages))
 
     def must_copy(self, seq_id: int, index: int) -> bool:
-        """Would writing into seq's index-th page change K/V that a key names or another table reads?"""
-        page = self._tables[seq_id][index]
+        """Would writing into seq's index-th page change K/V that a key names or another table reads?
+        (False for a page seq does not hold yet: reserve() will take a fresh one.)"""
+        table = self._tables.get(seq_id, ())
+        if index >= len(table):
+            return False
+        page = table[index]
         return self._refs[page] > 1 or page in self._key_of
 
     def copy_on_write(self, seq_id: int, index: int) -> tuple[int, int]:
@@ -353,6 +361,12 @@ class KVAllocator:
         self._set_table(seq_id, table)
         self._release(src)
         return src, dst
+
+    def unregister(self, page: int) -> None:
+        """Forget the key of `page` (its K/V turned out not to be what the key names)."""
+        key = self._key_of.get(page)
+        if key is not None:
+            self._unregister(page, key)
 
     def clear_cache(self) -> None:
         """Forget every key: the pool's K/V no longer match them (another scheduler wrote the pool)."""
@@ -410,7 +424,8 @@ class KVAllocator:
         return {"free": list(self._free),
                 "tables": {seq_id: list(table) for seq_id, table in self._tables.items()},
                 "refs": list(self._refs),
-                "keys": dict(self._key_of)}
+                "keys": dict(self._key_of),
+                "serials": dict(self._serial_of)}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(pages={self.num_pages}, page_size={self.page_size}, "

@@ -113,6 +113,11 @@ class LLM:
         prompt_ids, params = self._prepare(prompt, params)
         return self._engine.submit(prompt_ids, params)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (a benchmark's warm-up must not serve the timed run). Between
+        requests only: RuntimeError while any runs."""
+        self._engine.reset_prefix_cache()
+
     def drop_session(self, session) -> None:
         """Does nothing (DeprecationWarning): cached pages are evicted by the pool when it needs them."""
         warn_sessions_gone()

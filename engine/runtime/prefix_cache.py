@@ -23,6 +23,7 @@ from collections.abc import Callable, Hashable
 from engine.runtime.kv_allocator import KVAllocator
 
 PageKey = Callable[[Hashable, tuple[int, ...]], Hashable]
+PrefixLookup = Callable[..., list[int]]     # (allocator, tokens, root, page_key) -> registered pages
 
 
 def page_key(parent: Hashable, tokens: tuple[int, ...]) -> Hashable:
@@ -38,15 +39,13 @@ def root_key() -> Hashable:
     return ("root",) + tuple(sorted((stage, o.serial) for stage, o in OVERRIDES.items()))
 
 
-def cached_prefix(allocator: KVAllocator, tokens: list[int], root: Hashable, key: PageKey = page_key,
-                  limit: int | None = None) -> list[int]:
-    """The registered pages that hold the longest run of full pages of `tokens` from position 0
-    (at most `limit` tokens' worth): walk the chain, stop at the first page not cached."""
+def cached_prefix(allocator: KVAllocator, tokens: list[int], root: Hashable, key: PageKey = page_key) -> list[int]:
+    """The registered pages that hold the longest run of full pages of `tokens` from position 0:
+    walk the chain, stop at the first page not cached."""
     size = allocator.page_size
-    end = len(tokens) if limit is None else min(limit, len(tokens))
     pages: list[int] = []
     parent = root
-    for start in range(0, end - size + 1, size):
+    for start in range(0, len(tokens) - size + 1, size):
         page = allocator.lookup(key(parent, tuple(tokens[start:start + size])))
         if page is None:
             break

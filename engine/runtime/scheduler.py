@@ -71,17 +71,22 @@ negative or non-integer token ids, a prompt of max_context tokens or more (one p
 left for the answer), max_new_tokens < 0, or a worst case larger than the whole pool (with either
 admission: on demand, such a request could not finish even alone).
 
-Prefix caching (`prefix_caching=True`, chapter 15; what engine.LLM uses with the paged cache). When a
-step completes, every full page its rows finished writing is *registered* under a key that names its
-tokens and all the tokens before them (engine/runtime/prefix_cache.py). A request being admitted (a
-newcomer, or a preempted request coming back) looks its tokens up page by page: the longest chain of
+Prefix caching (`prefix_caching=True`, chapter 15; what engine.LLM uses with the paged cache). As a
+row is formed, every full page of known tokens it writes is *registered* under a key that names its
+tokens and all the tokens before them (engine/runtime/prefix_cache.py); tokens that become known
+later (async scheduling) are named when their step completes. A request being admitted (a newcomer,
+or a preempted request coming back) looks its tokens up page by page: the longest chain of
 registered pages from position 0 goes into its table as it is, shared with whoever else holds it
 (reference counts, engine/runtime/kv_allocator.py), and counts as computed (num_computed), so its
-first row, the rest of the prompt or a first chunk of it, starts after that prefix. At least the last
+first row, the rest of the prompt or a first chunk of it, starts after that prefix. A page named in
+the step being formed can be shared in that same step: every layer writes the step's K/V into the
+cache before it attends (engine/model/forward_pass.py), and a later step runs after it on the same
+stream. So 30 requests with one system prompt arriving together compute it once. At least the last
 token is always fed (its logits are sampled): when every page of a request is cached, its first row
 starts at its last token, inside a shared page, and that page is copied first (copy-on-write: the
 row's `copy` names the source and the private destination, and the runner copies the K/V before the
-forward pass). A registered page is never written in place.
+forward pass; a page this very step writes is computed again instead, as there is nothing to copy
+yet). A registered page is never written after the step that named it.
 A finished, cancelled or preempted request's pages stay registered when it lets go of them: free, at
 the tail of the free queue, until a reservation reaches them at its head and evicts them (least
 recently freed first). So cached pages are a cache, never a promise: admission counts them as free,
@@ -113,8 +118,9 @@ meanwhile) already has a row in N+1: that row still runs, and complete() discard
   None (the runner completes batch N first and schedules again, with nothing in flight);
 - cancel() is allowed while batches are in flight (the pages of the request's rows still in flight are
   written by the GPU before any later batch can reuse them: one stream);
-- pages are registered when the batch that wrote them completes, never earlier, so a batch that fails
-  leaves no key behind: it is abort()ed, its requests end ("cancelled") and their pages are freed.
+- a batch that fails is abort()ed: its requests end ("cancelled") and their pages are freed; the
+  pages named for what it was to write lose their names, and requests that already share one (in
+  the batch formed after it) end as well.
 """
 from __future__ import annotations
 
@@ -128,7 +134,7 @@ import numpy as np
 
 from engine.checks import is_int
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
-from engine.runtime.prefix_cache import PageKey, cached_prefix, page_key, root_key
+from engine.runtime.prefix_cache import PageKey, PrefixLookup, cached_prefix, page_key, root_key
 from engine.runtime.step_log import StepRecord
 
 __all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError", "PENDING",
@@ -387,6 +393,7 @@ class _InFlight:
     saved: _Saved
     log_entry: StepRecord
     arrived_before: int     # next request id when the batch was scheduled
+    registered: list[int]   # prefix caching: pages named when the batch was formed (it writes them)
 
 
 class _Declined(Exception):
@@ -404,7 +411,8 @@ class Scheduler:
     def __init__(self, allocator: KVAllocator, max_seqs: int, max_batch_tokens: int,
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
                  admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0,
-                 async_scheduling: bool = False, prefix_caching: bool = False, page_key: PageKey = page_key):
+                 async_scheduling: bool = False, prefix_caching: bool = False, page_key: PageKey = page_key,
+                 prefix_lookup: PrefixLookup = cached_prefix):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -422,8 +430,9 @@ class Scheduler:
             raise ValueError("the allocator has uncommitted changes")
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
-        if not callable(page_key):
-            raise ValueError(f"page_key must be a function (parent, tokens) -> key, got {page_key!r}")
+        if not callable(page_key) or not callable(prefix_lookup):
+            raise ValueError("page_key must be a function (parent, tokens) -> key and prefix_lookup one "
+                             "(allocator, tokens, root, page_key) -> pages (engine/runtime/prefix_cache.py)")
         self.allocator = allocator
         self.max_seqs = max_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -435,7 +444,8 @@ class Scheduler:
         self.chunked_prefill = bool(chunked_prefill)
         self.async_scheduling = bool(async_scheduling)
         self.prefix_caching = prefix_caching
-        self.page_key = page_key
+        self.page_key, self.prefix_lookup = page_key, prefix_lookup   # chapter 15: yours may plug in here
+        self._registered_now: list[int] = []       # pages named while forming the current batch
 
         self._requests: dict[int, _Request] = {}   # live requests: waiting or running
         self._waiting: deque[int] = deque()        # FIFO; preempted requests go back to the head
@@ -512,6 +522,7 @@ class Scheduler:
         if self.allocator.in_transaction:
             raise SchedulerError("the allocator has uncommitted changes made outside the scheduler")
         saved = self._save()
+        self._registered_now: list[int] = []     # pages this batch will write, named as its rows form
         try:
             rows, preempted = self._next_rows()
         except _Declined:                 # lookahead only: put everything back, run nothing yet
@@ -524,7 +535,7 @@ class Scheduler:
         batch = Batch(self._next_batch_id, kind, rows, self.allocator.page_size)
         self._next_batch_id += 1
         self._in_flight[batch.batch_id] = _InFlight(batch, saved, self._log_entry(batch, preempted),
-                                                    self._next_request_id)
+                                                    self._next_request_id, self._registered_now)
         if self.async_scheduling:         # progress counts from here: the next batch continues after it
             for row in rows:
                 request = self._requests[row.request_id]
@@ -563,7 +574,7 @@ class Scheduler:
         if not self.async_scheduling:
             for row in flight.batch.rows:
                 self._requests[row.request_id].num_computed = row.context_len
-        if self.prefix_caching:               # the pages this batch filled are written now: name them
+        if self.prefix_caching:      # pages full of tokens that became known since the batch was formed
             for row in flight.batch.rows:
                 request = self._requests.get(row.request_id)
                 if request is not None:
@@ -625,12 +636,19 @@ class Scheduler:
 
     def abort(self, batch_id: int) -> list[Result]:
         """Async scheduling: a batch that failed (or whose samples cannot be trusted) ends every request
-        that has a row in it, "cancelled", with its pages freed (the pages it was writing were never
-        registered: registration waits for complete()); their rows in a later batch are discarded.
-        Returns their results."""
+        that has a row in it, "cancelled", with its pages freed; the pages named for what it was to
+        write lose their names, and any request sharing one ends too. Their rows in a later batch are
+        discarded. Returns their results."""
         flight = self._flight(batch_id)
         del self._in_flight[batch_id]
         in_batch = dict.fromkeys(row.request_id for row in flight.batch.rows)
+        if flight.registered:         # pages named for what this batch was to write hold garbage now:
+            garbage = set(flight.registered)    # forget them, and end whoever shares them
+            for page in garbage:
+                self.allocator.unregister(page)
+            for request_id in list(self._running):
+                if request_id not in in_batch and garbage & set(self.allocator.page_table(request_id)):
+                    in_batch[request_id] = None
         results = []
         for request_id in in_batch:
             request = self._requests.get(request_id)
@@ -786,7 +804,12 @@ class Scheduler:
         pages (of its known tokens: a preempted request's generated ones count too)."""
         if not self.prefix_caching:
             return []
-        return cached_prefix(self.allocator, request.tokens, root, self.page_key)
+        pages = self.prefix_lookup(self.allocator, request.tokens, root, self.page_key)
+        if len(pages) * self.allocator.page_size > request.num_known or len(set(pages)) != len(pages) or \
+                any(self.allocator.lookup_page(page) is None for page in pages):
+            raise SchedulerError(f"prefix_lookup returned {pages!r}: not registered pages of full pages of "
+                                 f"the request's {request.num_known} tokens")
+        return pages
 
     def _reused(self, request: _Request, hits: list[int]) -> int:
         """Tokens the hits hold, short of the last one (it must be fed: its logits are sampled)."""
@@ -805,6 +828,9 @@ class Scheduler:
             chunk = min(todo, budget) if self.chunked_prefill else todo
             end = request.num_tokens if self.admission == "on_demand" else reused + chunk
             copy = reused < len(hits) * size
+            if copy and hits[-1] in self._registered_now:   # written by this very batch: nothing to
+                hits = hits[:-1]                            # copy yet, so compute that page instead
+                continue
             new = self.allocator.pages_needed(end) - len(hits) + copy
             taken = sum(self.allocator.is_cached_free(page) for page in hits)
             if end <= self.allocator.max_seq_len and new + taken <= self.allocator.num_free:
@@ -891,14 +917,15 @@ class Scheduler:
         whose first position falls in a page others read (a shared prefix page) copies it first."""
         start, end = request.num_computed, request.num_computed + chunk
         copy = None
-        if self.prefix_caching and start % self.allocator.page_size:
-            index = start // self.allocator.page_size
-            if self.allocator.must_copy(request.request_id, index):
-                copy = self.allocator.copy_on_write(request.request_id, index)
+        index = start // self.allocator.page_size
+        if self.prefix_caching and self.allocator.must_copy(request.request_id, index):
+            copy = self.allocator.copy_on_write(request.request_id, index)
         self.allocator.reserve(request.request_id, end)
         decode = chunk == 1 and request.num_sampled and end == request.num_tokens
         tokens = self._known_tokens(request, start, end)
         tokens += [PENDING] * (chunk - len(tokens))    # async: sampled by the batch in flight
+        if self.prefix_caching:       # a request admitted later in this step may share them already
+            self._register_pages(request, end, self._registered_now)
         return Row(request.request_id, tokens, start,
                    self.allocator.page_table(request.request_id), request.params,
                    request.num_sampled, samples=end == request.num_tokens,
@@ -912,11 +939,12 @@ class Scheduler:
             return request.generated[start - prompt_len:end - prompt_len]
         return request.prompt_ids[start:end] + request.generated[:max(0, end - prompt_len)]
 
-    def _register_pages(self, request: _Request, upto: int) -> None:
-        """Prefix caching: name the full pages among the request's first `upto` positions that have no
-        name yet (the batch that wrote them has completed). A page whose key another page holds
-        already (two requests computed the same prefix at once) stays private; its successors are
-        named after the page that holds the key."""
+    def _register_pages(self, request: _Request, upto: int, written_by: list[int] | None = None) -> None:
+        """Prefix caching: name the full pages of known tokens among the request's first `upto`
+        positions that have no name yet; `written_by` collects those the batch being formed writes.
+        A page whose key another page holds already (a prefix computed twice: a lookahead batch
+        formed before its twin was named) stays private; its successors are named after the page
+        that holds the key."""
         size = self.allocator.page_size
         full = min(upto, request.num_known) // size
         if full <= len(request.chain):
@@ -927,6 +955,8 @@ class Scheduler:
         for i in range(len(chain), full):
             tokens = tuple(self._known_tokens(request, i * size, (i + 1) * size))
             holder = self.allocator.register(table[i], self.page_key(parent, tokens))
+            if holder == table[i] and written_by is not None:
+                written_by.append(holder)
             parent = self.allocator.serial(holder)
             chain.append(parent)
         request.chain = chain

@@ -47,6 +47,8 @@ class Monitor:
             "time": time.time(), "model": self.model_name,
             "running": s["running"], "waiting": s["waiting"],
             "pages_total": s["pages_total"], "pages_used": s["pages_used"], "page_size": s["page_size"],
+            "pages_cached": s["pages_cached"], "pages_shared": s["pages_shared"],
+            "prefix_cache": s["prefix_cache"],
             "page_owner": s["page_owners"],
             "requests": [{"id": r["request_id"], "state": r["state"], "timeline": timeline(r, now)} for r in recent],
             "tokens_generated": s["tokens_generated"], "tokens_per_s": round(s["tokens_per_second"], 1),
@@ -70,6 +72,14 @@ class Monitor:
         metric("engine_kv_pages_used", "gauge", "KV cache pages holding some request's keys and values.",
                s["pages_used"])
         metric("engine_kv_pages_total", "gauge", "KV cache pages in the pool.", s["pages_total"])
+        metric("engine_kv_pages_cached", "gauge", "Free KV pages still holding a cached prefix (evicted when taken).",
+               s["pages_cached"])
+        metric("engine_kv_pages_shared", "gauge", "KV pages in more than one request's page table.", s["pages_shared"])
+        prefix = s["prefix_cache"]
+        metric("engine_prefix_cache_queries_total", "counter",
+               "Prompt tokens of admitted requests looked up in the prefix cache.", prefix["lookup_tokens"])
+        metric("engine_prefix_cache_hits_total", "counter",
+               "Of those, tokens found in the prefix cache (not computed again).", prefix["hit_tokens"])
         metric("engine_generation_tokens_total", "counter", "Tokens generated since start.", s["tokens_generated"])
         metric("engine_tokens_per_second", "gauge", "Tokens generated per second over the last few seconds.",
                f"{s['tokens_per_second']:.3f}")

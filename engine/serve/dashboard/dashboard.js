@@ -5,6 +5,7 @@
 const WINDOW_S = 60;                       // the timeline and the rate plot show the last minute
 const STATE_COLOR = { waiting: "#9e9e9e", prefill: "#ef8a17", decode: "#2e7dd7", preempted: "#d7263d" };
 const FREE_COLOR = "#e4e4e4";
+const CACHED_COLOR = "#b9dfc0";           // free, but still holding a cached prefix (page owner -2)
 
 const rateHistory = [];                    // [time, tokens/s], kept by the page
 
@@ -30,7 +31,7 @@ function drawPageMap(s) {
   while (Math.ceil(n / cols) * cell > canvas.height) { cols += 1; cell = Math.floor(canvas.width / cols); }
   const gap = cell > 4 ? 1 : 0;
   s.page_owner.forEach((owner, p) => {
-    ctx.fillStyle = owner < 0 ? FREE_COLOR : ownerColor(owner);
+    ctx.fillStyle = owner === -2 ? CACHED_COLOR : owner < 0 ? FREE_COLOR : ownerColor(owner);
     ctx.fillRect((p % cols) * cell, Math.floor(p / cols) * cell, cell - gap, cell - gap);
   });
 }
@@ -80,6 +81,10 @@ function render(s) {
   setText("running", s.running);
   setText("waiting", s.waiting);
   setText("pages", `${s.pages_used} / ${s.pages_total}`);
+  const prefix = s.prefix_cache;
+  setText("prefix", prefix.enabled
+    ? `${(100 * prefix.hit_rate).toFixed(0)}% · ${s.pages_shared} shared, ${s.pages_cached} cached`
+    : "off");
   setText("tps", s.tokens_per_s.toFixed(1));
   setText("ttft", s.ttft_p50_ms === null ? "–" : `${s.ttft_p50_ms} / ${s.ttft_p99_ms} ms`);
   setText("tokens", s.tokens_generated);
