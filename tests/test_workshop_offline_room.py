@@ -215,6 +215,9 @@ def test_the_estimates_are_the_measured_ones():
         assert not unknown, f"{chapter}: core exercises {unknown} are not exercises of {notebook.name} ({sorted(exercises)})"
         core = sum(exercises[n] for n in row["core_names"])
         assert core * 0.9 <= row["core"] <= core * 1.1 + 5, f"{chapter}: the guide says core {row['core']}, measured {core:.0f}"
+    whole = re.search(r"whole course with every core exercise is about ([\d,]+) minutes", GUIDE.read_text(encoding="utf-8"))
+    total = sum(row["read"] + row["core"] for row in table.values())
+    assert whole and abs(int(whole.group(1).replace(",", "")) - total) <= 0.05 * total, f"the table sums to {total} minutes"
 
 
 ITEM = re.compile(r"^(?P<chapter>\d\d|appendix_qwen) (?:(?P<read>read)|(?P<core>core)|§(?P<sections>[\w,–-]+) read"
