@@ -501,10 +501,14 @@ def check_prefix_cache_in_llm(page_key: Callable, longest_cached_prefix: Callabl
                      kv_cache_mib=0.2)
     runs = {}
     for name in ("no cache", "engine", "yours"):
-        sched = llm.new_scheduler(first_request_id=10_000 * (len(runs) + 1))
-        sched.prefix_caching = name != "no cache"
-        if name == "yours":
-            sched.page_key, sched.prefix_lookup = page_key, longest_cached_prefix
+        if name == "yours":       # a scheduler of the engine's settings over its pool, with your functions
+            sched = Scheduler(PageAllocator(llm.cache.num_pages, llm.page_size), llm.max_seqs,
+                              llm.max_batch_tokens, llm.max_context, policy=llm.batching, admission=llm.admission,
+                              chunked_prefill=llm.chunked_prefill, first_request_id=30_000, prefix_caching=True,
+                              page_key=page_key, prefix_lookup=longest_cached_prefix)
+        else:
+            sched = llm.new_scheduler(first_request_id=10_000 * (len(runs) + 1))
+            sched.prefix_caching = name == "engine"
         try:
             runs[name] = _run_by_hand(llm, sched, prompts, params)
         except Exception as e:  # the learner's bug, shown rather than raised
