@@ -108,8 +108,10 @@ def test_random_operations_keep_counts_and_keys_right_and_roll_back_exactly(num_
             pool.reserve(seq, n)
         elif op == "free" and table:
             pool.free(seq)
-        elif op == "register" and table:
-            pool.register(table[n % len(table)], ("key", n % 3))
+        elif op == "register" and table and pool.lookup_page(table[n % len(table)]) is None:
+            page = table[n % len(table)]
+            holder = pool.register(page, ("key", n % 3))
+            assert pool.lookup(("key", n % 3)) == holder and holder in (page, pool.lookup(("key", n % 3)))
         elif op == "share" and not table:
             pages = [p for p in pool.snapshot()["keys"]][: n % 3]
             pool.share(seq, pages) if pages else None

@@ -61,10 +61,10 @@ class FreeQueue:
             self._next[-1] = -1
         self._inside = [True] * num_pages
         self.head, self.tail = (0, num_pages - 1) if num_pages else (-1, -1)
-        self._len = num_pages
+        self.size = num_pages              # an attribute, not only __len__: read on every reservation
 
     def __len__(self) -> int:
-        return self._len
+        return self.size
 
     def __contains__(self, page: int) -> bool:
         return self._inside[page]
@@ -88,7 +88,7 @@ class FreeQueue:
         else:
             self._prev[nxt] = page
         self._inside[page] = True
-        self._len += 1
+        self.size += 1
 
     def append(self, page: int) -> None:
         self.insert_after(self.tail, page)
@@ -105,7 +105,7 @@ class FreeQueue:
         else:
             self._prev[nxt] = prev
         self._inside[page] = False
-        self._len -= 1
+        self.size -= 1
         return prev
 
 
@@ -163,11 +163,11 @@ class KVAllocator:
     # ---- sizes ---------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._free.size
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._free.size
 
     @property
     def num_cached(self) -> int:
@@ -253,11 +253,19 @@ class KVAllocator:
     def page_table(self, seq_id: int) -> list[int]:
         return list(self._tables.get(seq_id, ()))
 
+    def page_at(self, seq_id: int, index: int) -> int:
+        """seq's index-th page, without copying its table."""
+        return self._tables[seq_id][index]
+
+    def table_size(self, seq_id: int) -> int:
+        """Pages in seq's table (0 if it has none), without copying the table."""
+        return len(self._tables.get(seq_id, ()))
+
     def can_reserve(self, seq_id: int, new_len: int) -> bool:
         if new_len > self.max_seq_len:
             return False
         held = len(self._tables.get(seq_id, ()))
-        return self.pages_needed(new_len) - held <= len(self._free)
+        return -(-new_len // self.page_size) - held <= self._free.size
 
     def reserve(self, seq_id: int, new_len: int) -> list[int]:
         """Make seq's table cover positions < new_len; return the pages just taken (maybe none).
@@ -273,10 +281,18 @@ class KVAllocator:
         if not self.can_reserve(seq_id, new_len):
             raise OutOfPages(
                 f"sequence {seq_id} needs {self.pages_needed(new_len)} pages for {new_len} tokens "
-                f"(holds {len(self._tables.get(seq_id, ()))}, {len(self._free)} free, "
+                f"(holds {len(self._tables.get(seq_id, ()))}, {self._free.size} free, "
                 f"at most {self.max_seq_len} tokens per sequence)")
-        taken = [self._take() for _ in range(self.pages_needed(new_len) - len(table or ()))]
-        self._set_table(seq_id, (table or []) + taken)
+        if table is None:
+            table = self._tables[seq_id] = []
+            self._journal.append(lambda: self._tables.pop(seq_id))
+        n = self.pages_needed(new_len) - len(table)
+        taken = [self._take() for _ in range(n)]
+        table.extend(taken)
+
+        def undo():
+            del table[len(table) - n:]
+        self._journal.append(undo)
         return taken
 
     def free(self, seq_id: int) -> None:

@@ -47,9 +47,11 @@ Policies (`policy=`):
 
 Admission (`admission=`), i.e. how memory is promised:
 - "conservative" (default): a request is admitted only if the pool can hold its worst case next to the
-  worst cases of everyone running: sum(worst_pages) <= num_pages, where worst_pages =
-  pages_needed(min(prompt + max_new_tokens, max_context) - 1) (the last sampled token is never
-  written to the cache). Pages are still taken lazily, step by step, but no step can ever run dry,
+  worst cases of everyone running, where worst_pages = pages_needed(min(prompt + max_new_tokens,
+  max_context) - 1) (the last sampled token is never written to the cache): the free pages after
+  its first row must cover every running request's growth to its worst case, sum(worst_pages -
+  pages held). Without shared pages that is sum(worst_pages) <= num_pages; a page several requests
+  share is counted once. Pages are still taken lazily, step by step, but no step can ever run dry,
   so there is never a preemption.
 - "on_demand": a request is admitted when its prompt fits now. When a step cannot get a page for
   a running sequence's row (decode or chunk), the NEWEST running request without a row in this step
@@ -394,6 +396,7 @@ class _InFlight:
     log_entry: StepRecord
     arrived_before: int     # next request id when the batch was scheduled
     registered: list[int]   # prefix caching: pages named when the batch was formed (it writes them)
+    unnamed: list[int] = field(default_factory=list)   # async: requests with a full page to name later
 
 
 class _Declined(Exception):
@@ -537,11 +540,15 @@ class Scheduler:
         self._in_flight[batch.batch_id] = _InFlight(batch, saved, self._log_entry(batch, preempted),
                                                     self._next_request_id, self._registered_now)
         if self.async_scheduling:         # progress counts from here: the next batch continues after it
+            flight = self._in_flight[batch.batch_id]
+            size = self.allocator.page_size
             for row in rows:
                 request = self._requests[row.request_id]
-                request.num_computed = row.context_len
+                end = request.num_computed = row.context_len
                 request.pending += row.samples
-            self.allocator.commit()
+                if self.prefix_caching and end >= (len(request.chain) + 1) * size:
+                    flight.unnamed.append(row.request_id)   # a full page with a PENDING token: name
+            self.allocator.commit()                          # it when this batch completes
         return batch
 
     def _next_rows(self) -> tuple[list[Row], list[int]]:
@@ -574,11 +581,12 @@ class Scheduler:
         if not self.async_scheduling:
             for row in flight.batch.rows:
                 self._requests[row.request_id].num_computed = row.context_len
-        if self.prefix_caching:      # pages full of tokens that became known since the batch was formed
-            for row in flight.batch.rows:
-                request = self._requests.get(row.request_id)
+        if flight.unnamed:            # async: pages whose last token was PENDING when the batch formed
+            ends = {row.request_id: row.context_len for row in flight.batch.rows}
+            for request_id in flight.unnamed:
+                request = self._requests.get(request_id)
                 if request is not None:
-                    self._register_pages(request, row.context_len)
+                    self._register_pages(request, ends[request_id])
         finished: list[Result] = []
         sampled: list[tuple[int, int]] = []
         for row, token in zip(sampling, tokens, strict=True):
@@ -779,23 +787,26 @@ class Scheduler:
         chunking it is admitted with a first chunk of what is left of them.
         """
         rows: list[Row] = []
-        promised = sum(self._requests[rid].worst_pages for rid in self._running)
+        if not self._waiting:
+            return rows
+        size_of = self.allocator.table_size
+        # conservative: the pages the running requests may still take, each up to its worst case
+        growth = sum(self._requests[rid].worst_pages - size_of(rid) for rid in self._running) \
+            if self.admission == "conservative" else None
         root = root_key() if self.prefix_caching else None
         while self._waiting and budget > 0:
             request = self._requests[self._waiting[0]]
             if not self._has_seat(request):
                 break
-            plan = self._plan(request, self._cache_hits(request, root), budget)
+            plan = self._plan(request, self._cache_hits(request, root), budget, growth)
             if plan is None:        # its pages do not fit now
                 break
             hits, chunk = plan
             if not self.chunked_prefill and chunk > budget and not (alone_if_long and not rows):
                 break
-            if (self.admission == "conservative"
-                    and promised + request.worst_pages > self.allocator.num_pages):
-                break
-            promised += request.worst_pages
             rows.append(self._start(request, hits, root, chunk))
+            if growth is not None:
+                growth += request.worst_pages - size_of(request.request_id)
             budget -= chunk
         return rows
 
@@ -815,12 +826,14 @@ class Scheduler:
         """Tokens the hits hold, short of the last one (it must be fed: its logits are sampled)."""
         return min(len(hits) * self.allocator.page_size, request.num_tokens - 1)
 
-    def _plan(self, request: _Request, hits: list[int], budget: int) -> tuple[list[int], int] | None:
+    def _plan(self, request: _Request, hits: list[int], budget: int,
+              growth: int | None) -> tuple[list[int], int] | None:
         """(the hits to share, the first row's tokens) if what must fit now does, else None. What must
-        fit: on demand, the whole sequence; conservative, the first row (the promise covers the
-        rest). A hit page that is free leaves the free queue when shared. A first row that starts
-        inside the last hit page (every page of the request cached) needs one page more, for the copy;
-        short of it, that page is computed again instead."""
+        fit: on demand, the whole sequence; conservative, the first row, with the free pages left
+        after it covering `growth` (the running requests' way to their worst cases) and this
+        request's own. A hit page that is free leaves the free queue when shared. A first row that
+        starts inside the last hit page (every page of the request cached) needs one page more, for
+        the copy; short of it, that page is computed again instead."""
         size = self.allocator.page_size
         while True:
             reused = self._reused(request, hits)
@@ -833,7 +846,10 @@ class Scheduler:
                 continue
             new = self.allocator.pages_needed(end) - len(hits) + copy
             taken = sum(self.allocator.is_cached_free(page) for page in hits)
-            if end <= self.allocator.max_seq_len and new + taken <= self.allocator.num_free:
+            left = self.allocator.num_free - new - taken      # free pages after its first row
+            promised = 0 if growth is None else \
+                growth + request.worst_pages - self.allocator.pages_needed(reused + chunk)
+            if end <= self.allocator.max_seq_len and left >= promised:
                 return hits, chunk
             if not copy:
                 return None
@@ -852,7 +868,13 @@ class Scheduler:
         self._running.append(request.request_id)
         if self.policy == "static" and request.request_id not in self._group:
             self._group.append(request.request_id)
-        return self._reserve_row(request, chunk)
+        # the first row starts inside the last shared page (every page cached): it writes into a copy
+        # (only a first row can: every later row starts where this request's own pages are)
+        copy = None
+        index = request.num_computed // self.allocator.page_size
+        if hits and self.allocator.must_copy(request.request_id, index):
+            copy = self.allocator.copy_on_write(request.request_id, index)
+        return self._reserve_row(request, chunk, copy)
 
     def _has_seat(self, request: _Request) -> bool:
         if self.policy == "continuous":
@@ -912,19 +934,19 @@ class Scheduler:
         self.num_preemptions += 1
         self._waiting.appendleft(request_id)   # several in one step: the oldest ends up first
 
-    def _reserve_row(self, request: _Request, chunk: int) -> Row:
-        """Reserve memory for the next `chunk` tokens of a request and describe them as a row. A row
-        whose first position falls in a page others read (a shared prefix page) copies it first."""
+    def _reserve_row(self, request: _Request, chunk: int, copy: tuple[int, int] | None = None) -> Row:
+        """Reserve memory for the next `chunk` tokens of a request and describe them as a row (`copy`:
+        the copy-on-write its first row after admission needs)."""
         start, end = request.num_computed, request.num_computed + chunk
-        copy = None
-        index = start // self.allocator.page_size
-        if self.prefix_caching and self.allocator.must_copy(request.request_id, index):
-            copy = self.allocator.copy_on_write(request.request_id, index)
         self.allocator.reserve(request.request_id, end)
         decode = chunk == 1 and request.num_sampled and end == request.num_tokens
-        tokens = self._known_tokens(request, start, end)
+        prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
+        tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
+            else self._known_tokens(request, start, end)
         tokens += [PENDING] * (chunk - len(tokens))    # async: sampled by the batch in flight
-        if self.prefix_caching:       # a request admitted later in this step may share them already
+        # a request admitted later in this step may share the pages this row fills already (the check
+        # inline: it runs for every row of every step, and a page fills once in page_size decodes)
+        if self.prefix_caching and end >= (len(request.chain) + 1) * self.allocator.page_size:
             self._register_pages(request, end, self._registered_now)
         return Row(request.request_id, tokens, start,
                    self.allocator.page_table(request.request_id), request.params,
@@ -949,13 +971,13 @@ class Scheduler:
         full = min(upto, request.num_known) // size
         if full <= len(request.chain):
             return
-        table = self.allocator.page_table(request.request_id)
         chain = list(request.chain)
         parent = chain[-1] if chain else request.root
         for i in range(len(chain), full):
             tokens = tuple(self._known_tokens(request, i * size, (i + 1) * size))
-            holder = self.allocator.register(table[i], self.page_key(parent, tokens))
-            if holder == table[i] and written_by is not None:
+            page = self.allocator.page_at(request.request_id, i)
+            holder = self.allocator.register(page, self.page_key(parent, tokens))
+            if holder == page and written_by is not None:
                 written_by.append(holder)
             parent = self.allocator.serial(holder)
             chain.append(parent)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Prefix caching on the H200 (run from the repository root on the GPU machine). Two calls, as the
+# default model travels in two halves (.gg1/, .gg2/; the gguf wheel in .whl/):
+#   stash   copies the first half to /root/gg/
+#   run     joins the halves, converts the default model, writes the random-weight Llama-3.2-1B, runs
+#           every GPU test, then `engine.bench` shared-prefix, chat-turns and serve (with the cache on
+#           and off in the same run, 8 GiB pool). Results land in $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 M=/root/l1b
+case ${1:-run} in
+  stash)
+    mkdir -p /root/gg && cp .gg1/part_aa /root/gg/ && ls -la /root/gg ;;
+  run)
+    cat /root/gg/part_aa .gg2/part_ab > /root/gg/model.gguf
+    pip install -q --no-deps --target /tmp/site .whl/gguf-*.whl 2>&1 | tail -1
+    export PYTHONPATH=/tmp/site ENGINE_MODEL_DIR=/root/smollm2
+    python3 -m engine.gguf_convert /root/gg/model.gguf /root/smollm2 2>&1 | tail -2
+    python3 -m engine.random_model llama-3.2-1b $M 2>&1 | tail -1
+    python3 -m engine.env 2>&1 | tee "$OUT/env.txt" | tail -3
+    python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -12
+    python3 -m engine.bench --model $M --backend cupy --scenario shared-prefix chat-turns --kv-cache-mib 8192 \
+      2>&1 | grep '^{' | tee "$OUT/prefix.jsonl" | cut -c1-400
+    python3 -m engine.bench --model $M --backend cupy --scenario serve --requests 256 --kv-cache-mib 8192 \
+      --serve-modes continuous+paged continuous+paged+nocache continuous+paged continuous+paged+nocache \
+      2>&1 | grep '^{' | tee "$OUT/serve.jsonl" | cut -c1-300 ;;
+esac
