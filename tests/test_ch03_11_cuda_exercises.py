@@ -165,7 +165,7 @@ def test_every_exercise_has_a_skeleton_and_a_solution():
 
 @pytest.mark.nogpu   # with a GPU the check runs for real
 def test_without_a_gpu_or_a_cpu_executor_the_check_skips_and_shows_the_recorded_run(tmp_path, monkeypatch, capsys):
-    from engine.exercises import cuda_cpu
+    from engine.exercises.cuda_cpu import executor as cuda_cpu
     monkeypatch.setattr(cuda_cpu, "unavailable_reason", lambda: "no host C++ compiler was found")
     run = {"device": "NVIDIA H200", "date": "2026-12-01", "copy_gbps": 4300.0,
            "checks": {"rmsnorm": "[OK] rmsnorm kernel: all 8 cases pass\n     speed on T=2047: yours 11.6 us\n"},

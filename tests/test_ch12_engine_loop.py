@@ -328,9 +328,15 @@ def test_dropping_the_llm_frees_it():
 def test_a_scheduler_bug_fails_everything_and_the_engine_starts_afresh(serial, monkeypatch):
     prompts, expected = serial
     llm = make_llm()
+    gate, forward = threading.Event(), llm.model.forward
+
+    def held_forward(*args, **kwargs):            # the request cannot finish before the bug is in
+        assert gate.wait(timeout=60)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(llm.model, "forward", held_forward)
     handle = llm.submit(prompts[0], GREEDY)
-    next(handle.stream())
     monkeypatch.setattr(type(llm._engine.scheduler), "schedule", lambda self: 1 / 0)
+    gate.set()
     with pytest.raises(ZeroDivisionError):
         handle.result()
     monkeypatch.undo()

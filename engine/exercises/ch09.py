@@ -374,10 +374,14 @@ def _engine_static(model_dir, prompts, max_new, batch_size):
     return [r.token_ids for r in results], llm.last_step_log
 
 
+def timeline_of(step_log) -> list[tuple[str, list[int]]]:
+    """[(kind, request ids in the batch), ...], one entry per step."""
+    return [(e["kind"], list(e["request_ids"])) for e in step_log]
+
+
 def _run_static_case(title: str, fn: Callable, model, model_dir, prompts, max_new, batch_size, context: str):
     """One workload: the engine's static run, then yours through a StaticBatchRunner on the same model.
     (ok, your outputs, the runner)."""
-    from engine.exercises.ch10 import timeline_of
     want, log = _engine_static(model_dir, prompts, max_new, batch_size)
     runner = StaticBatchRunner(model, prompts, max_new, batch_size, max_steps=2 * len(log) + 8)
     name = getattr(fn, "__name__", "fn")

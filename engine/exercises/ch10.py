@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from engine.exercises import call_learner, check_cases
-from engine.exercises.ch09 import NoProgress, run_scheduler
+from engine.exercises.ch09 import NoProgress, run_scheduler, timeline_of
 from engine.exercises.serving_check import (
     check_llm_with,
     compare_step_logs,
@@ -25,11 +25,6 @@ from engine.runtime.step_log import request_latencies
 # max_new[i] tokens (eos never stops it) and is submitted after arrivals[i] steps have run.
 HAND_WORKLOAD: dict[str, Any] = dict(prompt_lens=[3, 2, 6, 1, 4], max_new=[3, 1, 2, 2, 2], arrivals=[0, 0, 0, 0, 3],
                                      max_seqs=3, max_batch_tokens=8)
-
-
-def timeline_of(step_log) -> list[tuple[str, list[int]]]:
-    """[(kind, request ids in the batch), ...], one entry per step."""
-    return [(e["kind"], list(e["request_ids"])) for e in step_log]
 
 
 def _normalize(timeline) -> list[tuple[str, list[int]]]:

@@ -233,7 +233,7 @@ def check_kernel(exercise: Exercise, source=None) -> bool | None:
 
 def _check_on_cpu(exercise: Exercise, source, gpu_reason: str) -> bool | None:
     """check_kernel without a GPU: the GPU compile check, then every case on the CPU executor."""
-    from engine.exercises import cuda_cpu
+    from engine.exercises.cuda_cpu import executor as cuda_cpu
     from engine.exercises.recorded import show_recorded
     title, name = exercise.title, exercise.file.removesuffix(".cu")
     why_not = cuda_cpu.unavailable_reason()
