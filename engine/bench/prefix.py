@@ -49,20 +49,32 @@ def scenario_shared_prefix(args, setup, model_dir, backend, vocab: int) -> None:
         _warm_up(llm, vocab, [args.system_len + high] * 2 + [16] * max(1, llm.max_seqs - 2))
         backend.synchronize()
         t = time.perf_counter()
-        handles = [llm.submit(p, params) for p in prompts]
-        outs = [h.result() for h in handles]
+        outs = llm.generate(prompts, params)
         backend.synchronize()
         sec = time.perf_counter() - t
-        ttft = sorted(h.first_token_at - h.submitted_at for h in handles)
+        log = llm.last_step_log
+        # time to first token from the step log: the end of the step that sampled a request's first token
+        ends = np.cumsum([entry["seconds"] for entry in log])
+        first: dict[int, float] = {}
+        last_first = 0                      # the step in which the last request got its first token
+        for i, (end, entry) in enumerate(zip(ends, log, strict=True)):
+            for rid in entry["sampled_ids"]:
+                if rid not in first:
+                    first[rid], last_first = float(end), i
+        ttft = sorted(first.values())
+        decode = [entry["seconds"] for entry in log[last_first + 1:]]
         stats = llm.stats()["prefix_cache"]
         results[caching] = [o.token_ids for o in outs]
-        computed = base["prompt_tokens"] - stats["hit_tokens"]
+        computed = sum(entry["prefill_tokens"] for entry in log)
         emit({**base, "prefix_caching": caching, "seconds": round(sec, 3),
               "output_tok_per_s": round(base["output_tokens"] / sec, 1),
               "prompt_tokens_computed": computed, "hit_tokens": stats["hit_tokens"],
               "hit_rate": round(stats["hit_rate"], 4),
               "ttft_p50_ms": round(1e3 * ttft[len(ttft) // 2], 1),
               "ttft_p99_ms": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
+              "steps": len(log), "prefill_phase_steps": last_first + 1,
+              "prefill_phase_s": round(float(ends[last_first]), 3),
+              "decode_step_ms": round(1e3 * float(np.mean(decode)), 2) if decode else None,
               "max_seqs": llm.max_seqs, "kv_cache_mib": round(llm.cache.nbytes / 2**20, 1)})
         llm.close()
         del llm

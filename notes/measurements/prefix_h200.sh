@@ -4,7 +4,8 @@
 #   stash   copies the first half to /root/gg/
 #   run     joins the halves, converts the default model, writes the random-weight Llama-3.2-1B, runs
 #           every GPU test, then `engine.bench` shared-prefix, chat-turns and serve (with the cache on
-#           and off in the same run, 8 GiB pool). Results land in $OUT.
+#           and off in the same run, in the order off on on off off on so that a drift of the machine
+#           over the run falls on both alike; 8 GiB pool). Results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 M=/root/l1b
@@ -22,6 +23,7 @@ case ${1:-run} in
     python3 -m engine.bench --model $M --backend cupy --scenario shared-prefix chat-turns --kv-cache-mib 8192 \
       2>&1 | grep '^{' | tee "$OUT/prefix.jsonl" | cut -c1-400
     python3 -m engine.bench --model $M --backend cupy --scenario serve --requests 256 --kv-cache-mib 8192 \
-      --serve-modes continuous+paged continuous+paged+nocache continuous+paged continuous+paged+nocache \
+      --serve-modes continuous+paged+nocache continuous+paged continuous+paged continuous+paged+nocache \
+                    continuous+paged+nocache continuous+paged \
       2>&1 | grep '^{' | tee "$OUT/serve.jsonl" | cut -c1-300 ;;
 esac
