@@ -16,8 +16,8 @@ import pytest
 
 from engine.backend import f32_to_bf16
 from engine.exercises import cuda_check
-from engine.exercises.cuda_cpu import executor as cuda_cpu
 from engine.exercises.cuda_check import POISON, Case, diagnose
+from engine.exercises.cuda_cpu import executor as cuda_cpu
 from engine.exercises.record_gpu import CHECKERS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

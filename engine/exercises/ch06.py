@@ -53,9 +53,10 @@ def _masked(q, k, v, scale, offset: int, empty_rows: float = np.nan):
     s = np.where(allowed, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    p = e / np.where(allowed.any(-1)[None, :, None], e.sum(-1, keepdims=True), 1)
+    some = np.asarray(allowed.any(-1))                   # [T] rows with at least one key allowed
+    p = e / np.where(some[None, :, None], e.sum(-1, keepdims=True), 1)
     out = np.einsum("hts,shd->thd", p, vv)
-    out[~allowed.any(-1)] = empty_rows
+    out[~some] = empty_rows
     return out
 
 

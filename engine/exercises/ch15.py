@@ -80,7 +80,8 @@ class PrefixDevice:
             if not self.verify:
                 sampled.append(fake_next_token([row.token_ids[-1], row.context_len]))
                 continue
-            context, expected = [], 0
+            context: list[int] = []
+            expected = 0
             for p in range(row.context_len):
                 page = row.page_table[p // size]
                 token, fp = self.cache.get(page * size + p % size, (-1, -1))
@@ -152,7 +153,7 @@ class HeadFirstFreeing(PageAllocator):
 
 
 def hit_rate(num_pages: int, requests, page_size: int = 16, max_seqs: int = 8, per_step: int = 2,
-             allocator_cls: type[KVAllocator] = PageAllocator, prefix_caching: bool = True) -> dict:
+             allocator_cls: type[PageAllocator] = PageAllocator, prefix_caching: bool = True) -> dict:
     """Serve `requests` on a PrefixDevice with a pool of num_pages pages: the share of the looked-up
     prompt tokens that were found in the cache, and the tokens computed."""
     sched = Scheduler(allocator_cls(num_pages, page_size), max_seqs, 512, 1024, prefix_caching=prefix_caching,
@@ -337,7 +338,7 @@ LOOKUP_MISTAKES = [
 
 
 def _answers(fn, cases) -> list:
-    out = []
+    out: list[list[int] | None] = []
     for _, pool, root, tokens in cases:
         try:
             out.append([int(p) for p in fn(pool, list(tokens), root, engine_page_key)])
@@ -499,7 +500,7 @@ def check_prefix_cache_in_llm(page_key: Callable, longest_cached_prefix: Callabl
     from engine.exercises.serving_check import tiny_model_dir
     llm = engine.LLM(model_dir or tiny_model_dir(), backend="numpy", max_context=128, max_seqs=2, page_size=4,
                      kv_cache_mib=0.2)
-    runs = {}
+    runs: dict[str, dict] = {}
     for name in ("no cache", "engine", "yours"):
         if name == "yours":       # a scheduler of the engine's settings over its pool, with your functions
             sched = Scheduler(PageAllocator(llm.cache.num_pages, llm.page_size), llm.max_seqs,
@@ -619,7 +620,8 @@ def _pool_scripts(seed: int):
               ("free", 4)]
     rng = random.Random(seed)
     for _ in range(30):
-        ops, live = [], set()
+        ops: list[tuple] = []
+        live: set[int] = set()
         for _ in range(rng.randrange(6, 24)):
             roll, seq = rng.random(), rng.randrange(6)
             if roll < 0.3 and seq not in live:
@@ -639,7 +641,7 @@ def _pool_scripts(seed: int):
 
 def _pool_apply(pool: RefCountedPool, op) -> str | None:
     """Run one scripted operation on `pool`; None when it does not apply (the script adapts to the state)."""
-    name, seq, n = op[0], op[1], op[2] if len(op) > 2 else None
+    name, seq, n = op[0], op[1], op[2] if len(op) > 2 else 0
     if name == "reserve":
         if seq in pool.tables or n > len(pool.free_list):
             return None
@@ -699,7 +701,7 @@ def check_ref_pool(cls: type) -> bool:
         if not ok:
             return False
         ref = _RefPoolReference(num_pages)
-        done = []
+        done: list = []
         for op in ops:
             before = ref.snapshot()
             applied = _pool_apply(ref, op)

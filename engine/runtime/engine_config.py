@@ -8,6 +8,7 @@ with `new_scheduler()`. Nothing else re-reads the arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine.backend import Backend
 from engine.checks import env_switch
@@ -108,8 +109,13 @@ class EngineConfig:
             allocator = SlotAllocator(num_pages, self.max_context)
         else:
             allocator = self.allocator_cls(num_pages, self.page_size)
+        # only what is on: a learner's scheduler of chapters 10-11 need not know these two arguments
+        extra: dict[str, Any] = {}
+        if async_scheduling:
+            extra["async_scheduling"] = True
+        if self.prefix_caching:
+            extra["prefix_caching"] = True
         return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
                                   eos_token_ids, policy=self.batching, admission=self.admission,
                                   chunked_prefill=self.chunked_prefill, first_request_id=first_request_id,
-                                  **({"async_scheduling": True} if async_scheduling else {}),
-                                  **({"prefix_caching": True} if self.prefix_caching else {}))
+                                  **extra)

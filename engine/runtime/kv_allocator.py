@@ -158,7 +158,7 @@ class KVAllocator:
         self._next_serial = 0
         self._num_shared = 0                       # pages with ref count > 1
         self._num_cached = 0                       # registered pages with ref count 0
-        self._journal: list[Callable[[], None]] = []   # undo steps since the last commit, newest last
+        self._journal: list[Callable[[], object]] = []   # undo steps since the last commit, newest last
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -351,10 +351,13 @@ class KVAllocator:
             if page not in self._key_of:
                 raise AllocatorError(f"page {page} is not registered: only a cached prefix can be shared")
             if not self._refs[page]:
-                prev = self._free.remove(page)
-                self._journal.append(lambda page=page, prev=prev: self._free.insert_after(prev, page))
+                self._journal.append(self._put_back(page, self._free.remove(page)))
             self._ref(page, +1)
         self._set_table(seq_id, list(pages))
+
+    def _put_back(self, page: int, prev: int) -> Callable[[], None]:
+        """The undo of taking `page` out of the free queue from behind `prev`."""
+        return lambda: self._free.insert_after(prev, page)
 
     def must_copy(self, seq_id: int, index: int) -> bool:
         """Would writing into seq's index-th page change K/V that a key names or another table reads?

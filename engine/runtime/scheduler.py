@@ -525,7 +525,7 @@ class Scheduler:
         if self.allocator.in_transaction:
             raise SchedulerError("the allocator has uncommitted changes made outside the scheduler")
         saved = self._save()
-        self._registered_now: list[int] = []     # pages this batch will write, named as its rows form
+        self._registered_now = []                # pages this batch will write, named as its rows form
         try:
             rows, preempted = self._next_rows()
         except _Declined:                 # lookahead only: put everything back, run nothing yet
