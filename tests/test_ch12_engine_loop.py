@@ -41,6 +41,21 @@ def serial(llm):
     return prompts, [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
+def hold_the_loop(llm, monkeypatch, after_calls: int = 2) -> threading.Event:
+    """The model's forward passes after the first `after_calls` wait until the returned gate opens: the
+    loop is then inside a step (its earlier tokens handed out, with async scheduling too), whatever the
+    speed of the machine, until the test has done what it wants done while requests run."""
+    gate, forward, calls = threading.Event(), llm.model.forward, []
+
+    def held_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > after_calls:
+            assert gate.wait(timeout=60)
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(llm.model, "forward", held_forward)
+    return gate
+
+
 def assert_pool_clean(llm):
     sched = llm._engine.scheduler
     sched.allocator.check_invariants()
@@ -83,12 +98,14 @@ def test_threads_sharing_one_llm_get_the_serial_tokens(llm, serial):
     assert_pool_clean(llm)
 
 
-def test_submit_while_running_joins_the_batch(llm, serial):
+def test_submit_while_running_joins_the_batch(llm, serial, monkeypatch):
     prompts, expected = serial
+    gate = hold_the_loop(llm, monkeypatch)
     first = llm.submit(prompts[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
     stream = first.stream()
     next(stream)                                  # the first request is decoding now
     late = llm.submit(prompts[1], GREEDY)
+    gate.set()
     assert late.result().token_ids == expected[1]
     assert first.result().token_ids[:12] == expected[0]
     joined = [e for e in llm.stats()["requests"] if e["request_id"] == late.request_id][0]
@@ -130,10 +147,18 @@ def test_cancel_before_it_runs_and_zero_new_tokens(llm):
 def test_model_error_fails_those_requests_and_the_engine_carries_on(serial, monkeypatch):
     prompts, expected = serial
     llm = make_llm(max_seqs=6)
-    real_forward, armed = llm.model.forward, threading.Event()
+    real_forward, armed, fired, decoding_steps = llm.model.forward, threading.Event(), threading.Event(), []
 
     def flaky(batch, cache=None):
+        # The second step in which all three decode waits for the test to have read a token of each
+        # (with async scheduling the first one is launched before the previous step's tokens are handed
+        # out), then fails: no request can finish before it, however fast the loop runs.
+        if not fired.is_set() and len(batch.cu_seqlens) == 4 and batch.num_tokens == 3:
+            decoding_steps.append(batch)
+            if len(decoding_steps) >= 2:
+                assert armed.wait(timeout=60)
         if armed.is_set():
+            fired.set()
             raise RuntimeError("simulated device error")
         return real_forward(batch, cache)
 
@@ -141,7 +166,7 @@ def test_model_error_fails_those_requests_and_the_engine_carries_on(serial, monk
     handles = [llm.submit(p, GREEDY) for p in prompts[:3]]
     streams = [handle.stream() for handle in handles]
     for stream in streams:
-        next(stream)                              # all three are decoding: the next step has them all
+        next(stream)                              # all three are decoding
     armed.set()
     for handle, stream in zip(handles, streams, strict=True):
         with pytest.raises(RuntimeError, match="simulated device error"):
@@ -297,14 +322,9 @@ def llm_kv_bytes_per_token():
 
 
 def test_stepping_by_hand_is_refused_while_the_loop_serves(llm, monkeypatch):
-    gate, forward = threading.Event(), llm.model.forward
-
-    def held_forward(*args, **kwargs):            # the loop stays inside a step until the gate opens
-        assert gate.wait(timeout=60)
-        return forward(*args, **kwargs)
+    gate = hold_the_loop(llm, monkeypatch)        # the loop stays inside a step until the gate opens
     handle = llm.submit([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
     next(handle.stream())
-    monkeypatch.setattr(llm.model, "forward", held_forward)
     sched = llm.new_scheduler()
     sched.submit([4, 5], GREEDY)
     try:
