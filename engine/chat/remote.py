@@ -7,13 +7,14 @@ standard library is used (urllib), so the client needs nothing installed.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import time
 import urllib.error
 import urllib.request
 
-from engine.chat.conversation import Conversation, ConversationFrontEnd, TurnStats
+from engine.chat.conversation import Conversation, ConversationFrontEnd, TurnCancelled, TurnStats
 
 TIMEOUT_S = 600.0       # a long answer on a busy server may take minutes; a dead one errors sooner
 
@@ -30,6 +31,13 @@ class ServerError(ValueError):
         """A 400 saying that the conversation does not fit the server's context or KV pool."""
         text = str(self).lower()
         return self.status == 400 and any(word in text for word in ("context", "does not fit", "kv pool"))
+
+
+class StreamCut(ServerError):
+    """The answer's stream broke off before `data: [DONE]`: the answer is incomplete and not kept."""
+
+    def __init__(self, message: str):
+        super().__init__(message + "; the answer was not kept, the conversation goes on without it")
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:
@@ -86,24 +94,40 @@ class RemoteChat(ConversationFrontEnd):
         return body
 
     def _stream(self, messages: list[dict]):
-        """Yield (content piece, finish_reason or None) from the server's event stream."""
+        """Yield (content piece, finish_reason or None) from the server's event stream. A stream that
+        ends without `data: [DONE]` or breaks off (the server or its engine died, the network went)
+        raises StreamCut: what arrived is not a whole answer."""
         with self._open("/v1/chat/completions", self._body(messages)) as response:
-            for raw in response:
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue                      # comments, event names, the blank separators
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    return
-                try:
-                    choice = json.loads(data)["choices"][0]
-                except (ValueError, KeyError, IndexError, TypeError):
-                    if '"error"' in data:
-                        raise ServerError(f"server error: {data}") from None
-                    continue                      # e.g. a usage-only chunk
-                yield (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason")
+            try:
+                for raw in response:
+                    line = raw.decode("utf-8", errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue                      # comments, event names, the blank separators
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        payload = json.loads(data)
+                    except ValueError:
+                        continue
+                    if isinstance(payload, dict) and payload.get("error"):
+                        error = payload["error"]
+                        message = error.get("message", error) if isinstance(error, dict) else error
+                        raise StreamCut(f"the server reported an error mid-answer: {message}")
+                    try:
+                        choice = payload["choices"][0]
+                    except (KeyError, IndexError, TypeError):
+                        continue                      # e.g. a usage-only chunk
+                    yield (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason")
+            except (OSError, http.client.HTTPException) as exc:   # reset, timeout, incomplete chunk
+                raise StreamCut(f"the connection to {self.base} broke mid-answer "
+                                f"({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})") from None
+        raise StreamCut(f"{self.base} closed the stream before the answer was complete (no [DONE])")
 
     def answer(self, text: str, out=None, notices=None) -> TurnStats:
+        """Stream the reply to `out`. Ctrl-C after the first piece stops the answer (the partial reply
+        is kept); before it, it cancels the turn (TurnCancelled). A cut stream raises StreamCut: the
+        partial answer is not stored and the conversation is as it was before the turn."""
         out, notices = out or sys.stdout, notices or sys.stderr
         history = list(self.conversation.messages)
         while True:
@@ -121,8 +145,15 @@ class RemoteChat(ConversationFrontEnd):
                         out.flush()
                     reason = finish or reason
             except KeyboardInterrupt:             # closing the connection cancels the request there
+                if not pieces:
+                    raise TurnCancelled("cancelled: no answer yet; the conversation is kept") from None
                 out.write(" [stopped]")
                 reason = "cancelled"
+            except StreamCut:
+                if pieces:
+                    out.write(" [cut off]\n")
+                    out.flush()
+                raise
             except ServerError as exc:
                 if pieces or not history or not exc.too_long:
                     raise
