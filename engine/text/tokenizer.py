@@ -16,6 +16,29 @@ The path from text to ids (chapter 02 draws each step on a real sentence):
 Decoding maps the characters back to bytes and decodes UTF-8 (invalid bytes become U+FFFD).
 Only the components that byte-level BPE models use are implemented; anything else is refused with a
 `TokenizerError` rather than approximated.
+
+A tokenizer.json is input like any other file a model directory brings, and may be hostile. Loading
+it ends in a `TokenizerError` (a ValueError) in bounded time and memory for anything malformed:
+- the path must be a regular file (a FIFO would block the read, a link to /dev/zero never end it)
+  of at most MAX_TOKENIZER_BYTES, and is read through one descriptor checked with fstat;
+- every field the loader reads is checked for its type before use (`_expect`), so a wrong type
+  names the field instead of escaping as TypeError/AttributeError/KeyError;
+- the vocabulary must be non-empty, its ids distinct, non-negative and inside the id space
+  (no id at or past len(vocab) + len(added_tokens)).
+
+Pre-tokenizer regexes are the one place where a small file can cost unbounded time: a pattern like
+`(a|a)+$` backtracks exponentially on a run of "a"s. The guard is a time budget, enforced by the
+`regex` engine itself (its `timeout=` argument, checked inside the matching loop, so a match stuck
+in backtracking is interrupted, not only the gaps between matches): each finditer over a piece gets
+REGEX_BASE_SECONDS plus REGEX_SECONDS_PER_CHAR per character of the piece, and running past it
+raises TokenizerError naming the pattern. The budget is counted from the start of a split through
+the downstream BPE work it streams into; real text needs well under 1 us a character for all of it,
+so the margin is over 20x on a loaded machine.
+The engine's clock checks triple the cost of a split, so the patterns known to split in linear time
+run without them (`_LINEAR_PATTERNS`: GPT-2's, which SmolLM2 uses after Digits, Llama 3's and
+Qwen2's, and the escaped literal of a String split); any other pattern gets the budget. A budget
+rather than a static "no nested quantifiers" rule: the ambiguity that backtracks hides in shapes
+no short rule lists (overlapping alternatives under a star, as above), and the budget bounds them all.
 """
 from __future__ import annotations
 
@@ -23,6 +46,8 @@ import codecs
 import functools
 import heapq
 import json
+import os
+import stat
 import threading
 import types
 import unicodedata
@@ -38,6 +63,27 @@ __all__ = ["Tokenizer", "TokenizerError", "IncrementalDetokenizer", "load_tokeni
 
 class TokenizerError(ValueError):
     """A tokenizer file that is malformed or uses a component this engine does not implement."""
+
+
+MAX_TOKENIZER_BYTES = 64 << 20     # Llama 3's tokenizer.json is 9 MB, Qwen's 7 MB
+MAX_CONFIG_BYTES = 16 << 20        # tokenizer_config.json, chat_template.jinja
+MAX_PATTERN_CHARS = 10_000         # the longest real pre-tokenizer regex has ~200 characters
+REGEX_BASE_SECONDS = 1.0
+REGEX_SECONDS_PER_CHAR = 20e-6
+
+
+def _expect(value, kinds, where: str):
+    """value if it is one of `kinds` (bool never counts as int), else TokenizerError naming the field."""
+    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        return value
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in _as_tuple(kinds))
+    shown = repr(value)
+    raise TokenizerError(f"tokenizer.json {where} must be {names}, got {type(value).__name__} "
+                         f"{shown[:60]}{'...' if len(shown) > 60 else ''}")
+
+
+def _as_tuple(kinds) -> tuple:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -69,6 +115,15 @@ def byte_chars(text: str) -> str:
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
+# The pre-tokenizer patterns of the families this engine serves: alternatives of single-character
+# classes under one quantifier each, never nested, so a split walks each character a bounded number
+# of times. These run without the regex time budget; every other pattern runs with it.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LINEAR_PATTERNS = frozenset({GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, r"\p{N}"})
+
 # ---------------------------------------------------------------- pre-tokenizers
 
 _BEHAVIORS = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
@@ -82,14 +137,19 @@ class RegexSplit:
     gap before/after (MergedWithPrevious/Next), or runs of consecutive matches fused (Contiguous).
     """
 
-    def __init__(self, pattern: str, behavior: str = "Isolated", invert: bool = False):
+    def __init__(self, pattern: str, behavior: str = "Isolated", invert: bool = False, literal: bool = False):
         if behavior not in _BEHAVIORS:
             raise TokenizerError(f"unsupported Split behavior {behavior!r} (known: {sorted(_BEHAVIORS)})")
+        if len(pattern) > MAX_PATTERN_CHARS:
+            raise TokenizerError(f"pre-tokenizer regex of {len(pattern):,} characters "
+                                 f"(at most {MAX_PATTERN_CHARS:,})")
         try:
             self.regex = regex.compile(pattern)
-        except regex.error as e:
-            raise TokenizerError(f"cannot compile pre-tokenizer regex {pattern!r}: {e}") from None
+        except (regex.error, RecursionError, OverflowError, ValueError) as e:
+            raise TokenizerError(f"cannot compile pre-tokenizer regex {pattern[:200]!r}: {e}") from None
         self.behavior, self.invert = behavior, invert
+        # a known linear pattern or an escaped literal runs at full speed; anything else under the budget
+        self.budgeted = not (literal or pattern in _LINEAR_PATTERNS)
 
     def __call__(self, piece: str) -> list[str]:
         return list(self.iter(piece))
@@ -131,13 +191,21 @@ class RegexSplit:
         return [piece[s:e] for s, e in kept if e > s]
 
     def _spans(self, piece: str):
-        """(start, end, is_match) covering the piece, in order."""
+        """(start, end, is_match) covering the piece, in order, within the regex time budget."""
         position = 0
-        for m in self.regex.finditer(piece):
-            if m.start() > position:
-                yield position, m.start(), self.invert
-            yield m.start(), m.end(), not self.invert
-            position = m.end()
+        budget = REGEX_BASE_SECONDS + REGEX_SECONDS_PER_CHAR * len(piece)
+        matches = self.regex.finditer(piece, timeout=budget) if self.budgeted else self.regex.finditer(piece)
+        try:
+            for m in matches:
+                if m.start() > position:
+                    yield position, m.start(), self.invert
+                yield m.start(), m.end(), not self.invert
+                position = m.end()
+        except TimeoutError:
+            raise TokenizerError(
+                f"pre-tokenizer regex {self.regex.pattern[:200]!r} ran past its {budget:.1f} s budget on "
+                f"{len(piece):,} characters (stopped at character {position:,}): a pattern that backtracks "
+                "catastrophically; this tokenizer.json cannot be used") from None
         if position < len(piece):
             yield position, len(piece), self.invert
 
@@ -156,19 +224,28 @@ def _pre_tokenizer_stages(spec: dict | None) -> list:
     """tokenizer.json "pre_tokenizer" -> list of stages (piece -> pieces). ByteLevel must come last."""
     if spec is None:
         raise TokenizerError("no pre_tokenizer: byte-level BPE needs a ByteLevel pre-tokenizer")
-    specs = spec["pretokenizers"] if spec.get("type") == "Sequence" else [spec]
+    _expect(spec, dict, "pre_tokenizer")
+    if spec.get("type") == "Sequence":
+        specs = _expect(spec.get("pretokenizers"), list, "pre_tokenizer.pretokenizers")
+    else:
+        specs = [spec]
     stages: list[RegexSplit | PrefixSpace] = []
     for i, part in enumerate(specs):
+        where = f"pre_tokenizer.pretokenizers[{i}]" if spec.get("type") == "Sequence" else "pre_tokenizer"
+        _expect(part, dict, where)
         kind = part.get("type")
         if kind == "Split":
-            pattern = part["pattern"]
+            pattern = _expect(part.get("pattern"), dict, f"{where}.pattern")
+            literal = "Regex" not in pattern
             if "Regex" in pattern:
-                source = pattern["Regex"]
+                source = _expect(pattern["Regex"], str, f"{where}.pattern.Regex")
             elif "String" in pattern:
-                source = regex.escape(pattern["String"])
+                source = regex.escape(_expect(pattern["String"], str, f"{where}.pattern.String"))
             else:
-                raise TokenizerError(f"unsupported Split pattern {pattern!r}")
-            stages.append(RegexSplit(source, part.get("behavior", "Isolated"), part.get("invert", False)))
+                raise TokenizerError(f"unsupported Split pattern {str(pattern)[:80]!r}")
+            behavior = _expect(part.get("behavior", "Isolated"), str, f"{where}.behavior")
+            invert = _expect(part.get("invert", False), bool, f"{where}.invert")
+            stages.append(RegexSplit(source, behavior, invert, literal=literal))
         elif kind == "Digits":
             stages.append(RegexSplit(r"\p{N}", "Isolated" if part.get("individual_digits") else "Contiguous"))
         elif kind == "ByteLevel":
@@ -191,7 +268,7 @@ def _normalizer(spec: dict | None):
     U+0301 becomes "é", one character, before pre-tokenization) are implemented."""
     if spec is None:
         return None
-    form = spec.get("type")
+    form = _expect(spec, dict, "normalizer").get("type")
     if form not in ("NFC", "NFD", "NFKC", "NFKD"):
         raise TokenizerError(f"unsupported normalizer {form!r} (implemented: NFC, NFD, NFKC, NFKD)")
     return functools.partial(unicodedata.normalize, form)
@@ -278,10 +355,11 @@ def use_merge_loop(fn: Callable) -> Iterator[None]:
 
 def _parse_merges(raw: list, vocab: dict[str, int]) -> dict[tuple[int, int], tuple[int, int]]:
     """merges in either form ("a b" or ["a", "b"]) -> {(id_a, id_b): (rank, id_ab)}; a later duplicate wins."""
+    _expect(raw, list, "model.merges")
     pairs = [merge.split(" ") if isinstance(merge, str) else merge for merge in raw]
     for rank, parts in enumerate(pairs):
-        if len(parts) != 2:
-            raise TokenizerError(f"merge #{rank} {raw[rank]!r} is not a pair of tokens")
+        if not (isinstance(parts, list) and len(parts) == 2 and all(isinstance(p, str) for p in parts)):
+            raise TokenizerError(f"merge #{rank} {str(raw[rank])[:80]!r} is not a pair of tokens")
     try:  # one comprehension: Llama 3 has 280,147 merges and this runs at every load
         return {(vocab[a], vocab[b]): (rank, vocab[a + b]) for rank, (a, b) in enumerate(pairs)}
     except KeyError:
@@ -357,31 +435,98 @@ def _is_word_char(char: str) -> bool:
 # ---------------------------------------------------------------- post-processing
 
 
-def _post_processor(spec: dict | None):
+def _post_processor(spec: dict | None, depth: int = 0):
     """tokenizer.json "post_processor" -> function(ids) -> ids used when add_special_tokens=True."""
     if spec is None:
         return lambda ids: ids
-    kind = spec.get("type")
+    kind = _expect(spec, dict, "post_processor").get("type")
     if kind == "ByteLevel":  # only trims offsets, never changes ids
         return lambda ids: ids
     if kind == "Sequence":
-        steps = [_post_processor(s) for s in spec["processors"]]
+        if depth > 8:
+            raise TokenizerError("post_processor Sequences nested more than 8 deep")
+        steps = [_post_processor(s, depth + 1)
+                 for s in _expect(spec.get("processors"), list, "post_processor.processors")]
         return functools.reduce(lambda f, g: (lambda ids: g(f(ids))), steps, lambda ids: ids)
     if kind == "TemplateProcessing":
-        special = {name: entry["ids"] for name, entry in spec.get("special_tokens", {}).items()}
+        special = {}
+        for name, entry in _expect(spec.get("special_tokens", {}), dict, "post_processor.special_tokens").items():
+            ids = _expect(_expect(entry, dict, f"post_processor.special_tokens[{name!r}]").get("ids"), list,
+                          f"post_processor.special_tokens[{name!r}].ids")
+            for token_id in ids:
+                if _expect(token_id, int, f"post_processor.special_tokens[{name!r}].ids[]") < 0:
+                    raise TokenizerError(f"post_processor special token {name!r} has negative id {token_id}")
+            special[name] = ids
         template = []
-        for item in spec["single"]:
+        for item in _expect(spec.get("single"), list, "post_processor.single"):
+            _expect(item, dict, "post_processor.single[]")
             if "SpecialToken" in item:
-                name = item["SpecialToken"]["id"]
+                name = _expect(_expect(item["SpecialToken"], dict, "post_processor.single[].SpecialToken").get("id"),
+                               str, "post_processor.single[].SpecialToken.id")
                 if name not in special:
                     raise TokenizerError(f"TemplateProcessing uses undeclared special token {name!r}")
                 template.append(special[name])
-            elif item.get("Sequence", {}).get("id") == "A":
+            elif isinstance(item.get("Sequence"), dict) and item["Sequence"].get("id") == "A":
                 template.append(None)  # where the encoded text goes
             else:
                 raise TokenizerError(f"unsupported TemplateProcessing item {item!r}")
         return lambda ids: [i for part in template for i in (ids if part is None else part)]
     raise TokenizerError(f"unsupported post_processor {kind!r} (implemented: ByteLevel, TemplateProcessing, Sequence)")
+
+
+# ---------------------------------------------------------------- structure of the file
+
+
+def _checked_vocab(value) -> dict[str, int]:
+    """model.vocab: a non-empty {token: id} with distinct non-negative int ids."""
+    vocab = _expect(value, dict, "model.vocab")
+    if not vocab:
+        raise TokenizerError("tokenizer.json model.vocab is empty")
+    seen: dict[int, str] = {}
+    for token, token_id in vocab.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise TokenizerError(f"tokenizer.json vocab entry {token[:40]!r} has id {str(token_id)[:40]!r}, "
+                                 "not an integer")
+        if token_id < 0:
+            raise TokenizerError(f"tokenizer.json vocab entry {token[:40]!r} has negative id {token_id}")
+        other = seen.setdefault(token_id, token)
+        if other is not token:
+            raise TokenizerError(f"tokenizer.json vocab gives id {token_id} to both {other[:40]!r} and "
+                                 f"{token[:40]!r} (duplicate id)")
+        if not token:
+            raise TokenizerError(f"tokenizer.json vocab has an empty token (id {token_id})")
+    return dict(vocab)
+
+
+def _checked_added(value) -> list[dict]:
+    """added_tokens: a list of {"id": int >= 0, "content": non-empty str, flags}."""
+    tokens = _expect(value if value is not None else [], list, "added_tokens")
+    for i, token in enumerate(tokens):
+        _expect(token, dict, f"added_tokens[{i}]")
+        content = _expect(token.get("content"), str, f"added_tokens[{i}].content")
+        if not content:
+            raise TokenizerError(f"tokenizer.json added_tokens[{i}] has empty content")
+        token_id = _expect(token.get("id"), int, f"added_tokens[{i}].id")
+        if token_id < 0:
+            raise TokenizerError(f"tokenizer.json added token {content[:40]!r} has negative id {token_id}")
+    return tokens
+
+
+def _check_id_space(vocab: dict[str, int], added: list[dict], id_to_token: dict[int, str]) -> None:
+    """Ids are distinct across vocab and added tokens, and none lies past the id space the file
+    declares (len(vocab) + len(added_tokens) ids): a stray huge id would size the embedding."""
+    limit = len(vocab) + len(added)
+    claimed = dict(id_to_token)
+    for token in added:
+        token_id, content = token["id"], token["content"]
+        other = claimed.setdefault(token_id, content)
+        if other != content:
+            raise TokenizerError(f"tokenizer.json gives id {token_id} to both {other[:40]!r} and added token "
+                                 f"{content[:40]!r} (duplicate id)")
+    past = max(claimed)
+    if past >= limit:
+        raise TokenizerError(f"tokenizer.json has id {past}, past the vocabulary: {len(vocab):,} vocab entries "
+                             f"and {len(added):,} added tokens allow ids 0..{limit - 1}")
 
 
 # ---------------------------------------------------------------- the tokenizer
@@ -391,15 +536,23 @@ class Tokenizer:
     """A byte-level BPE tokenizer read from tokenizer.json (+ tokenizer_config.json roles and chat template)."""
 
     def __init__(self, spec: dict, config: dict | None = None, chat_template: str | None = None):
+        try:
+            self._build(spec, config, chat_template)
+        except (TypeError, AttributeError, KeyError, IndexError) as e:
+            # a shape _expect does not check: still a refusal of the file, never a bare traceback
+            raise TokenizerError(f"malformed tokenizer.json: {type(e).__name__}: {e}") from None
+
+    def _build(self, spec: dict, config: dict | None, chat_template: str | None) -> None:
+        _expect(spec, dict, "(the whole file)")
         self._check_supported(spec)
         model = spec["model"]
-        self.vocab: dict[str, int] = dict(model["vocab"])
+        self.vocab: dict[str, int] = _checked_vocab(model.get("vocab"))
         self._merges = _parse_merges(model.get("merges", []), self.vocab)
         self._ignore_merges = bool(model.get("ignore_merges", False))
         # A trained vocab may lack some of the 256 byte tokens (SmolLM2 lacks 21: bytes that never
         # occur in UTF-8 like 0xFF, and rare control bytes). Such a byte becomes the unk token if the
         # model has one (runs fused into one with fuse_unk), and is silently dropped otherwise.
-        unk = model.get("unk_token")
+        unk = _expect(model.get("unk_token"), (str, type(None)), "model.unk_token")
         if unk is not None and unk not in self.vocab:
             raise TokenizerError(f"unk_token {unk!r} is not in the vocab")
         self._unk_id = None if unk is None else self.vocab[unk]
@@ -409,9 +562,10 @@ class Tokenizer:
         self._post_process = _post_processor(spec.get("post_processor"))
 
         # An added token already in the vocab keeps its vocab id (tokenizers does the same, whatever the file says)
-        added = [dict(t, id=self.vocab.get(t["content"], t["id"])) for t in spec.get("added_tokens") or []]
-        self._added = AddedTokens(added)
+        added = [dict(t, id=self.vocab.get(t["content"], t["id"])) for t in _checked_added(spec.get("added_tokens"))]
         self._id_to_token = {i: t for t, i in self.vocab.items()}
+        _check_id_space(self.vocab, added, self._id_to_token)
+        self._added = AddedTokens(added)
         self._id_to_token.update({t["id"]: t["content"] for t in added})
         self._token_to_id = {**self.vocab, **{t["content"]: t["id"] for t in added}}
         self.special_token_ids: set[int] = {t["id"] for t in added if t.get("special")}
@@ -439,7 +593,7 @@ class Tokenizer:
 
     @staticmethod
     def _check_supported(spec: dict) -> None:
-        model = spec.get("model") or {}
+        model = _expect(spec.get("model"), dict, "model")
         if model.get("type", "BPE") != "BPE" or "merges" not in model:
             raise TokenizerError(f"unsupported model type {model.get('type')!r}: only byte-level BPE is implemented")
         for option in ("continuing_subword_prefix", "end_of_word_suffix"):
@@ -450,7 +604,7 @@ class Tokenizer:
         if model.get("byte_fallback"):
             raise TokenizerError("byte_fallback BPE (SentencePiece style) is not implemented")
         _normalizer(spec.get("normalizer"))     # raises for one that is not implemented
-        decoder = spec.get("decoder")
+        decoder = _expect(spec.get("decoder"), (dict, type(None)), "decoder")
         if decoder is None or decoder.get("type") != "ByteLevel":
             kind = decoder and decoder.get("type")
             raise TokenizerError(f"unsupported decoder {kind!r}: only ByteLevel is implemented")
@@ -676,23 +830,63 @@ def load_tokenizer(model_dir) -> Tokenizer:
     """Load from a model directory (tokenizer.json, optional tokenizer_config.json / chat_template.jinja)
     or from a path to a tokenizer.json file."""
     path = Path(model_dir)
-    tokenizer_json = path if path.is_file() else path / "tokenizer.json"
-    if not tokenizer_json.is_file():
+    tokenizer_json = path if _exists(path) and not path.is_dir() else path / "tokenizer.json"
+    if not _exists(tokenizer_json):
         raise TokenizerError(f"no tokenizer.json at {path}")
-    spec = _read_json(tokenizer_json)
+    spec = _read_json(tokenizer_json, MAX_TOKENIZER_BYTES)
     config_path = tokenizer_json.parent / "tokenizer_config.json"
-    config = _read_json(config_path) if config_path.is_file() else None
+    config = _read_json(config_path, MAX_CONFIG_BYTES) if _exists(config_path) else None
     template_path = tokenizer_json.parent / "chat_template.jinja"  # newer transformers save the template here
     chat_template = None
-    if template_path.is_file():
+    if _exists(template_path):
         # undecodable bytes stay visible as U+FFFD; the template then fails to compile or renders them
-        chat_template = template_path.read_bytes().decode("utf-8", errors="replace")
+        chat_template = _read_bounded(template_path, MAX_CONFIG_BYTES).decode("utf-8", errors="replace")
     return Tokenizer(spec, config, chat_template)
 
 
-def _read_json(path: Path) -> dict:
+def _exists(path: Path) -> bool:
+    """Anything at path (a dangling link included): what is there is then checked by _read_bounded."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        path.lstat()
+    except OSError:
+        return False
+    return True
+
+
+def _read_bounded(path: Path, cap: int) -> bytes:
+    """The bytes of a regular file of at most `cap` bytes. Checked with fstat on the opened descriptor
+    (O_NONBLOCK: opening a FIFO does not wait for a writer), so a FIFO, a device (a link to /dev/zero)
+    or a directory is refused before a byte is read, and a file growing meanwhile is cut at cap + 1."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise TokenizerError(f"cannot open {path}: {e.strerror or e}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TokenizerError(f"{path} is not a regular file (a FIFO, device, socket or directory); "
+                                 "refusing to read it")
+        if info.st_size > cap:
+            raise TokenizerError(f"{path} has {info.st_size:,} bytes, more than the {cap:,} allowed")
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > cap:
+            raise TokenizerError(f"{path} grew past the {cap:,} bytes allowed while being read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path, cap: int) -> dict:
+    try:
+        value = json.loads(_read_bounded(path, cap).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TokenizerError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(value, dict):
