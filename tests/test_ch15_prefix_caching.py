@@ -489,3 +489,29 @@ def test_aborting_a_batch_ends_the_requests_that_share_the_pages_it_was_to_write
     sched.complete(second.batch_id, [5] * sum(r.samples for r in second.rows))
     assert not sched.has_unfinished() and sched.allocator.num_free == 32
     sched.allocator.check_invariants()
+
+
+def test_a_page_the_batch_in_flight_writes_is_computed_again_rather_than_copied():
+    """A copy of it would be queued after that batch, but if the batch fails the copy holds garbage and
+    its reader would not know: the page-aligned repeat one step later computes its last page."""
+    sched = Scheduler(PageAllocator(32, 4), 4, 10, 64, prefix_caching=True, async_scheduling=True)
+    a = sched.submit([1, 2, 3, 4], params(3))
+    first = sched.schedule()                           # writes page 0 and names it as it forms
+    b = sched.submit([1, 2, 3, 4], params(3))
+    second = sched.schedule()
+    row = next(r for r in second.rows if r.request_id == b)
+    assert row.copy is None and row.start_pos == 0
+    assert [r.request_id for r in sched.abort(first.batch_id)] == [a] and sched.is_live(b)
+
+
+def test_an_aborted_batch_spares_a_page_taken_and_named_again_since():
+    """a is cancelled while its batch is in flight; its page is evicted and named again for e's prompt
+    in the next batch; when a's batch fails, e, which never read what it wrote, keeps running."""
+    sched = Scheduler(PageAllocator(2, 4), 2, 10, 8, prefix_caching=True, async_scheduling=True)
+    a = sched.submit([1, 2, 3, 4], params(1))
+    first = sched.schedule()
+    sched.cancel(a)
+    e = sched.submit([9, 9, 9, 9, 9, 9], params(1))
+    sched.schedule()
+    assert sched.abort(first.batch_id) == [] and sched.is_live(e)
+    sched.allocator.check_invariants()

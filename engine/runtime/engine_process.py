@@ -65,7 +65,7 @@ class RemoteLLM:
         except BaseException:
             self._stop_process(timeout=0)
             raise
-        self.description, self.max_seqs = info["backend"], info["max_seqs"]
+        self.description, self.max_seqs, self.max_context = info["backend"], info["max_seqs"], info["max_context"]
         self.hub = HandleHub()                     # what RequestHandles wait on (as in EngineLoop)
         self._handles: dict[int, RequestHandle] = {}
         self._ids = itertools.count()
@@ -228,7 +228,8 @@ def _engine_main(conn, model_dir: str, backend: str, llm_kwargs: dict) -> None:
     except Exception as exc:      # the parent re-raises it with the message (a bad model dir, no GPU, ...)
         conn.send(("failed", type(exc).__name__, str(exc)))
         return
-    conn.send(("ready", {"backend": llm.backend.describe(), "max_seqs": llm.max_seqs}))
+    conn.send(("ready", {"backend": llm.backend.describe(), "max_seqs": llm.max_seqs,
+                         "max_context": llm.max_context}))
     Forwarder(llm, conn).serve_commands()
 
 

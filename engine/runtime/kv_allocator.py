@@ -313,6 +313,9 @@ class KVAllocator:
         """The key a page is registered under (None: it holds nothing anyone can find)."""
         return self._key_of.get(page)
 
+    def serial_or_none(self, page: int) -> int | None:
+        return self._serial_of.get(page)
+
     def serial(self, page: int) -> int:
         """The number of page's registration (unique for the allocator's life): what a key names a
         parent page by."""

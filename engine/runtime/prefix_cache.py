@@ -39,13 +39,21 @@ def root_key() -> Hashable:
     return ("root",) + tuple(sorted((stage, o.serial) for stage, o in OVERRIDES.items()))
 
 
-def cached_prefix(allocator: KVAllocator, tokens: list[int], root: Hashable, key: PageKey = page_key) -> list[int]:
+def cached_prefix(allocator: KVAllocator, tokens: list[int], root: Hashable, key: PageKey = page_key,
+                  known: tuple[list[int], list[int]] | None = None) -> list[int]:
     """The registered pages that hold the longest run of full pages of `tokens` from position 0:
-    walk the chain, stop at the first page not cached."""
+    walk the chain, stop at the first page not cached. `known`: (pages, their serials) of an earlier
+    walk over the same tokens and root; the walk goes on from where they still hold."""
     size = allocator.page_size
     pages: list[int] = []
-    parent = root
-    for start in range(0, len(tokens) - size + 1, size):
+    parent: Hashable = root
+    if known is not None:            # the earlier walk, as far as its pages still carry those names
+        for held, serial in zip(*known, strict=True):
+            if allocator.serial_or_none(held) != serial:
+                break
+            pages.append(held)
+            parent = serial
+    for start in range(len(pages) * size, len(tokens) - size + 1, size):
         page = allocator.lookup(key(parent, tuple(tokens[start:start + size])))
         if page is None:
             break

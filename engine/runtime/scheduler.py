@@ -338,6 +338,8 @@ class _Request:
     # its next page's key names), and the root its chain started from at admission
     chain: list[int] = field(default_factory=list)
     root: Any = None
+    # its last lookup while it waits at the head of the queue: (root, known tokens, pages, their serials)
+    lookup: tuple[Any, int, list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -395,7 +397,7 @@ class _InFlight:
     saved: _Saved
     log_entry: StepRecord
     arrived_before: int     # next request id when the batch was scheduled
-    registered: list[int]   # prefix caching: pages named when the batch was formed (it writes them)
+    registered: list[tuple[int, int]]   # prefix caching: (page, serial) named as the batch formed (it writes them)
     unnamed: list[int] = field(default_factory=list)   # async: requests with a full page to name later
 
 
@@ -448,7 +450,8 @@ class Scheduler:
         self.async_scheduling = bool(async_scheduling)
         self.prefix_caching = prefix_caching
         self.page_key, self.prefix_lookup = page_key, prefix_lookup   # chapter 15: yours may plug in here
-        self._registered_now: list[int] = []       # pages named while forming the current batch
+        # (page, registration serial) named while forming the current batch: the pages it will write
+        self._registered_now: list[tuple[int, int]] = []
 
         self._requests: dict[int, _Request] = {}   # live requests: waiting or running
         self._waiting: deque[int] = deque()        # FIFO; preempted requests go back to the head
@@ -525,7 +528,7 @@ class Scheduler:
         if self.allocator.in_transaction:
             raise SchedulerError("the allocator has uncommitted changes made outside the scheduler")
         saved = self._save()
-        self._registered_now = []                # pages this batch will write, named as its rows form
+        self._registered_now = []                # (page, serial): this batch writes them, named as rows form
         try:
             rows, preempted = self._next_rows()
         except _Declined:                 # lookahead only: put everything back, run nothing yet
@@ -650,8 +653,10 @@ class Scheduler:
         flight = self._flight(batch_id)
         del self._in_flight[batch_id]
         in_batch = dict.fromkeys(row.request_id for row in flight.batch.rows)
-        if flight.registered:         # pages named for what this batch was to write hold garbage now:
-            garbage = set(flight.registered)    # forget them, and end whoever shares them
+        # pages named for what this batch was to write hold garbage now: forget them (unless the page has
+        # been taken and named again since, for someone else), and end whoever shares one
+        garbage = self._still_named(flight.registered)
+        if garbage:
             for page in garbage:
                 self.allocator.unregister(page)
             for request_id in list(self._running):
@@ -815,7 +820,17 @@ class Scheduler:
         pages (of its known tokens: a preempted request's generated ones count too)."""
         if not self.prefix_caching:
             return []
-        pages = self.prefix_lookup(self.allocator, request.tokens, root, self.page_key)
+        tokens = request.prompt_ids if not request.generated else request.tokens    # no copy of a prompt
+        if self.prefix_lookup is cached_prefix:
+            # a head that waits is looked up again every step: go on from its last walk, if every page
+            # of it still carries the same registration (an int compare each, no tuple built)
+            known = None
+            if request.lookup is not None and request.lookup[:2] == (root, request.num_known):
+                known = request.lookup[2:]
+            pages = cached_prefix(self.allocator, tokens, root, self.page_key, known)
+            request.lookup = (root, request.num_known, pages, [self.allocator.serial(p) for p in pages])
+            return pages
+        pages = self.prefix_lookup(self.allocator, tokens, root, self.page_key)
         if len(pages) * self.allocator.page_size > request.num_known or len(set(pages)) != len(pages) or \
                 any(self.allocator.lookup_page(page) is None for page in pages):
             raise SchedulerError(f"prefix_lookup returned {pages!r}: not registered pages of full pages of "
@@ -841,9 +856,9 @@ class Scheduler:
             chunk = min(todo, budget) if self.chunked_prefill else todo
             end = request.num_tokens if self.admission == "on_demand" else reused + chunk
             copy = reused < len(hits) * size
-            if copy and hits[-1] in self._registered_now:   # written by this very batch: nothing to
-                hits = hits[:-1]                            # copy yet, so compute that page instead
-                continue
+            if copy and hits[-1] in self._unwritten():   # a batch not yet completed writes it: copied now
+                hits = hits[:-1]                         # it could hold garbage (or, for this very batch,
+                continue                                 # nothing yet), so compute that page instead
             new = self.allocator.pages_needed(end) - len(hits) + copy
             taken = sum(self.allocator.is_cached_free(page) for page in hits)
             left = self.allocator.num_free - new - taken      # free pages after its first row
@@ -961,7 +976,20 @@ class Scheduler:
             return request.generated[start - prompt_len:end - prompt_len]
         return request.prompt_ids[start:end] + request.generated[:max(0, end - prompt_len)]
 
-    def _register_pages(self, request: _Request, upto: int, written_by: list[int] | None = None) -> None:
+    def _still_named(self, named: list[tuple[int, int]]) -> set[int]:
+        """The pages of `named` (page, serial) that still carry that very registration."""
+        return {page for page, serial in named
+                if self.allocator.lookup_page(page) is not None and self.allocator.serial(page) == serial}
+
+    def _unwritten(self) -> set[int]:
+        """Pages named for batches not completed yet (the one being formed, those in flight)."""
+        named = list(self._registered_now)
+        for flight in self._in_flight.values():
+            named += flight.registered
+        return self._still_named(named)
+
+    def _register_pages(self, request: _Request, upto: int,
+                        written_by: list[tuple[int, int]] | None = None) -> None:
         """Prefix caching: name the full pages of known tokens among the request's first `upto`
         positions that have no name yet; `written_by` collects those the batch being formed writes.
         A page whose key another page holds already (a prefix computed twice: a lookahead batch
@@ -978,7 +1006,7 @@ class Scheduler:
             page = self.allocator.page_at(request.request_id, i)
             holder = self.allocator.register(page, self.page_key(parent, tokens))
             if holder == page and written_by is not None:
-                written_by.append(holder)
+                written_by.append((page, self.allocator.serial(page)))
             parent = self.allocator.serial(holder)
             chain.append(parent)
         request.chain = chain

@@ -20,13 +20,21 @@ HTTP side's Python work never competes with the engine loop for one interpreter 
 keeps both in one process (as ServerThread does for tests and notebooks).
 
 Errors are OpenAI's JSON object {"error": {"message", "type", "param", "code"}}: 400 for invalid
-values and prompts that cannot fit, 404 for an unknown model or path.
+values and prompts that cannot fit, 404 for an unknown model or path, 413 for a body over the limit.
+
+Bounded work per request, before anything costly: the body is read up to `max_body_bytes` (a larger
+Content-Length is refused unread); JSON parsing, the chat template and tokenization run in worker
+threads, never on the event loop (one 5 MB prompt must not freeze every other stream), and encoding
+stops at the context (`encode(..., max_tokens=)`); a token-id prompt and `max_tokens` are checked
+against the context here, before the engine (another process) receives them. /metrics serves the
+last sample the background sampler took: it never waits for a step.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -38,7 +46,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -53,6 +61,7 @@ DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboard"
 DASHBOARD_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 logger = logging.getLogger("engine.serve.server")
 SAMPLE_EVERY_S = 0.25     # how often the monitor reads the engine's stats (the dashboard's frame rate)
+MAX_BODY_BYTES = 8 * 2**20   # a 131,072-token prompt is ~1 MB as JSON ids, less as text
 
 
 class ApiError(Exception):
@@ -82,8 +91,14 @@ async def cancel_on_disconnect(request: Request, handle) -> None:
 class OpenAIServer:
     """The routes, bound to one LLM. `app` is the ASGI application."""
 
-    def __init__(self, llm, model_name: str):
-        self.llm, self.model_name = llm, model_name
+    def __init__(self, llm, model_name: str, max_body_bytes: int = MAX_BODY_BYTES, max_tokens: int | None = None):
+        """max_tokens: the most tokens one request may ask for (default: the context); a request over it
+        is refused rather than holding a seat's worth of KV pages for an answer nobody waits for."""
+        for name, value in (("max_body_bytes", max_body_bytes), ("max_tokens", max_tokens)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.llm, self.model_name, self.max_body_bytes = llm, model_name, max_body_bytes
+        self.max_tokens = llm.max_context if max_tokens is None else max_tokens
         self.tokenizer = llm.tokenizer
         self.created = int(time.time())
         self.monitor = Monitor(llm, model_name)
@@ -118,11 +133,36 @@ class OpenAIServer:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(api.error_body(str(exc.detail), type_), status_code=exc.status_code)
 
-    async def _parse(self, request: Request, model: type[ParsedRequest]) -> tuple[ParsedRequest, SamplingParams]:
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, at most max_body_bytes of it (413 beyond, a declared larger length refused unread)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body ({int(declared):,} bytes) is larger than this server's limit "
+                                f"of {limit:,} bytes")
+        chunks, size = [], 0
         try:
-            data = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:      # gone mid-upload: nobody is left to answer (and nothing to log)
+            raise ApiError(400, "the client disconnected before the body was read") from None
+        return b"".join(chunks)
+
+    @staticmethod
+    def _json(raw: bytes):
+        """json.loads with every way a hostile body can fail it as one 400: not UTF-8, not JSON, nested
+        past the parser's recursion limit, an integer literal past Python's digit limit."""
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as exc:     # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+            raise ApiError(400, f"the request body is not valid JSON: {what}") from None
+
+    async def _parse(self, request: Request, model: type[ParsedRequest]) -> tuple[ParsedRequest, SamplingParams]:
+        data = await asyncio.to_thread(self._json, await self._read_body(request))
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
         try:
@@ -136,11 +176,31 @@ class OpenAIServer:
                                 f"{self.model_name!r}", "model", "model_not_found", "not_found_error")
         try:
             body.check_supported()
-            return body, body.sampling_params()
+            params = body.sampling_params()
         except api.ProtocolError as exc:
             raise ApiError(400, str(exc), exc.param) from None
+        if body.max_tokens is None and params.max_new_tokens > self.max_tokens:   # the default, not asked
+            params = dataclasses.replace(params, max_new_tokens=self.max_tokens)
+        if params.max_new_tokens > self.max_tokens:
+            raise ApiError(400, f"max_tokens is {params.max_new_tokens}; this server allows at most "
+                                f"{self.max_tokens}", "max_tokens")
+        return body, params
+
+    def _encode(self, render, param: str, add_special_tokens: bool = False) -> list[int]:
+        """Tokenize (in a worker thread), stopping at the context: `render()` gives the text."""
+        try:
+            return self.tokenizer.encode(render(), add_special_tokens=add_special_tokens,
+                                         max_tokens=self.llm.max_context)
+        except ValueError as exc:    # past the context, a lone surrogate, the template refusing the messages
+            message = str(exc)[:500]
+            if message.startswith("text needs more than"):   # encode's max_tokens: say it as the engine does
+                message = f"the prompt does not fit the context of {self.llm.max_context} tokens ({message})"
+            raise ApiError(400, message, getattr(exc, "param", None) or param) from None
 
     async def _submit(self, prompt_ids: list[int], params, param: str):
+        if len(prompt_ids) >= self.llm.max_context:      # before the ids travel to the engine process
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens: it does not fit the context of "
+                                f"{self.llm.max_context} with room for one new token", param)
         try:
             handle = self.llm.submit(prompt_ids, params)
         except ValueError as exc:     # does not fit the context or the KV pool, bad token ids, ...
@@ -189,13 +249,18 @@ class OpenAIServer:
             try:
                 for chunk in first:
                     yield sse(chunk)
-                async for batch in handle.astream_batches():
-                    n_tokens += sum(len(ev.token_ids) for ev in batch)
-                    text = "".join(ev.text for ev in batch)
-                    if text or any(ev.token_ids and not ev.finished for ev in batch):   # tokens without text yet: ""
-                        yield sse(piece(text))
-                    if batch[-1].finished:
-                        reason = batch[-1].finish_reason
+                try:
+                    async for batch in handle.astream_batches():
+                        n_tokens += sum(len(ev.token_ids) for ev in batch)
+                        text = "".join(ev.text for ev in batch)
+                        if text or any(ev.token_ids and not ev.finished for ev in batch):   # tokens, no text yet
+                            yield sse(piece(text))
+                        if batch[-1].finished:
+                            reason = batch[-1].finish_reason
+                except Exception as exc:     # the engine failed this request: say so, send no [DONE]
+                    logger.warning("request failed in the engine: %s", exc)
+                    yield sse(api.error_body(f"the engine failed this request: {exc}"[:500], "server_error"))
+                    return
                 if reason in ("stop", "length"):
                     yield sse(last(reason))
                     if usage_chunk is not None:
@@ -217,9 +282,10 @@ class OpenAIServer:
         tok = self._need_tokenizer()
         try:
             messages = body.plain_messages()
-            prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
-        except ValueError as exc:    # a ProtocolError, or the template refusing the messages
+        except ValueError as exc:    # a ProtocolError
             raise ApiError(400, str(exc), getattr(exc, "param", "messages")) from None
+        prompt_ids = await asyncio.to_thread(
+            self._encode, lambda: tok.apply_chat_template(messages, add_generation_prompt=True), "messages")
         handle = await self._submit(prompt_ids, params, "messages")
         rid, created, n_prompt = api.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
@@ -239,8 +305,11 @@ class OpenAIServer:
             prompt = body.single_prompt()
         except api.ProtocolError as exc:
             raise ApiError(400, str(exc), exc.param) from None
-        prompt_ids = self._need_tokenizer().encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
-            else prompt
+        if isinstance(prompt, str):
+            self._need_tokenizer()                     # 400 without a tokenizer.json
+            prompt_ids = await asyncio.to_thread(self._encode, lambda: prompt, "prompt", True)
+        else:
+            prompt_ids = prompt
         handle = await self._submit(prompt_ids, params, "prompt")
         rid, created, n_prompt = api.new_id("cmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
@@ -262,7 +331,6 @@ class OpenAIServer:
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def metrics(self, request: Request) -> Response:
-        await asyncio.to_thread(self.monitor.sample)
         return PlainTextResponse(self.monitor.prometheus(), media_type="text/plain; version=0.0.4")
 
     # ---- the dashboard -----------------------------------------------------------------------
@@ -284,8 +352,9 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def create_app(llm, model_name: str):
-    return OpenAIServer(llm, model_name).app
+def create_app(llm, model_name: str, **limits):
+    """The ASGI app; limits: OpenAIServer's max_body_bytes and max_tokens."""
+    return OpenAIServer(llm, model_name, **limits).app
 
 
 class ServerThread:
@@ -295,9 +364,9 @@ class ServerThread:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     """
 
-    def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 0, **limits):
         import uvicorn
-        config = uvicorn.Config(create_app(llm, model_name), host=host, port=port, log_level="warning",
+        config = uvicorn.Config(create_app(llm, model_name, **limits), host=host, port=port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="engine-serve", daemon=True)
@@ -338,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size (default: what fits)")
     ap.add_argument("--max-seqs", type=int, default=None, help="most sequences in one batch")
     ap.add_argument("--max-context", type=int, default=None, help="tokens one sequence may hold")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="the most tokens one request may ask for (default: the context)")
+    ap.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
+                    help="the largest request body accepted (413 beyond)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the engine in the server's own process (default: a process of its own, so "
                          "HTTP and JSON work never holds the engine's interpreter lock)")
@@ -353,6 +426,9 @@ def main(argv=None) -> int:
     from engine.backend import BackendError
     from engine.runtime.engine_process import EngineProcessError, RemoteLLM
     from engine.runtime.llm import LLM
+    if (args.max_tokens is not None and args.max_tokens < 1) or not args.max_body_mib > 0:
+        print("error: --max-tokens and --max-body-mib must be positive", file=sys.stderr)
+        return 2
     try:
         if args.model is None:
             from engine.model.default_model import ensure_default_model
@@ -375,7 +451,8 @@ def main(argv=None) -> int:
     print(f"serving {name!r} on {where.rstrip('.')}\n"
           f"  OpenAI API: http://{shown}:{args.port}/v1   dashboard: http://{shown}:{args.port}/", flush=True)
     try:
-        uvicorn.run(create_app(llm, name), host=args.host, port=args.port, log_level=args.log_level)
+        app = create_app(llm, name, max_tokens=args.max_tokens, max_body_bytes=int(args.max_body_mib * 2**20))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         close = getattr(llm, "close", None)
         if close is not None:
