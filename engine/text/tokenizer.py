@@ -512,10 +512,15 @@ def _checked_added(value) -> list[dict]:
     return tokens
 
 
+# Ids may leave holes (reserved special tokens), so the id space is not len(vocab) + len(added); whether
+# the ids fit the model's embedding table is the model's check (check_vocab_fits). This bound only stops
+# an absurd id (10**12) that would size tables: it is far past any real vocabulary (~10**5 to 10**6).
+MAX_TOKEN_ID = 1 << 24
+
+
 def _check_id_space(vocab: dict[str, int], added: list[dict], id_to_token: dict[int, str]) -> None:
-    """Ids are distinct across vocab and added tokens, and none lies past the id space the file
-    declares (len(vocab) + len(added_tokens) ids): a stray huge id would size the embedding."""
-    limit = len(vocab) + len(added)
+    """Ids are distinct across vocab and added tokens, and none lies past MAX_TOKEN_ID."""
+    limit = MAX_TOKEN_ID
     claimed = dict(id_to_token)
     for token in added:
         token_id, content = token["id"], token["content"]
@@ -525,8 +530,8 @@ def _check_id_space(vocab: dict[str, int], added: list[dict], id_to_token: dict[
                                  f"{content[:40]!r} (duplicate id)")
     past = max(claimed)
     if past >= limit:
-        raise TokenizerError(f"tokenizer.json has id {past}, past the vocabulary: {len(vocab):,} vocab entries "
-                             f"and {len(added):,} added tokens allow ids 0..{limit - 1}")
+        raise TokenizerError(f"tokenizer.json has id {past:,}, past the vocabulary: ids above {limit - 1:,} are "
+                             f"refused ({len(vocab):,} vocab entries, {len(added):,} added tokens)")
 
 
 # ---------------------------------------------------------------- the tokenizer
