@@ -214,9 +214,11 @@ def load_source(source: str, origin: str = "kernel.cu", defines: tuple = ()):
 def compile_source(source: str, origin, defines: tuple = ()):
     """Compile CUDA C text with the engine's NVRTC options (kernels_cu/ on the include path) into a
     cupy.RawModule. `origin` (a path, or a label such as "<your rmsnorm kernel>") names the source in
-    compile errors. Used for kernels_cu/ and for a learner's kernel (engine/plugins.py, engine/exercises/)."""
+    compile errors. Used for kernels_cu/ and for a learner's kernel (engine/plugins.py, engine/exercises/).
+    A source read from a file also finds its includes next to it, as nvcc does (kernels_cu/ladders/)."""
     import cupy
-    options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",) + tuple(f"-D{k}={v}" for k, v in defines)
+    beside = (f"-I{origin.parent}",) if isinstance(origin, Path) else ()
+    options = NVRTC_OPTIONS + (f"-I{KERNELS_DIR}",) + beside + tuple(f"-D{k}={v}" for k, v in defines)
     try:
         module = cupy.RawModule(code=source, options=options)
         module.compile()  # compile now, not at first launch, so the error surfaces here

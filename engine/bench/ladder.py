@@ -999,7 +999,8 @@ def compile_build(build: Build, arch: int = 90, tool: str | None = None) -> str:
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), path.read_text().encode(), str(path).encode(), 0, None, None) == 0
         opts = [b"-std=c++17", b"--use_fast_math", f"--gpu-architecture=compute_{arch}".encode(),
-                f"-I{KERNELS_DIR}".encode(), f"-I{_cuda_include()}".encode()] + [d.encode() for d in defines]
+                f"-I{KERNELS_DIR}".encode(), f"-I{path.parent}".encode(),    # its includes next to it, as nvcc
+                f"-I{_cuda_include()}".encode()] + [d.encode() for d in defines]
         status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))

@@ -15,7 +15,7 @@
 //   v4  kernels_cu/flash_attention.cu               the engine's kernel: Q K^T and P V on the tensor
 //                                                   cores (mma.sync), cp.async double buffering.
 // Online softmax in log2 units: the scores are pre-scaled by scale * log2(e), so exp2 gives exp.
-#include "common.cuh"
+#include "../common.cuh"   // kernels_cu/common.cuh, the helpers every kernel shares
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64

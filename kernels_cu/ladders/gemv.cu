@@ -14,7 +14,7 @@
 //   v6  kernels_cu/gemv.cu gemv_bf16   the engine's kernel: the tensor cores do the multiply, the
 //                                  launcher sizes the split for the SM count (engine/ops/gemv.py).
 // x and W rows are contiguous (row stride K); v3..v5 need K % 8 == 0 (rows 16-byte aligned).
-#include "common.cuh"
+#include "../common.cuh"   // kernels_cu/common.cuh, the helpers every kernel shares
 
 #ifndef MAXT
 #define MAXT 8           // most rows of x (the register arrays are this long; rows t >= T are skipped)

@@ -21,7 +21,7 @@
 //                                                           more blocks when rows are few.
 // HEAD_DIM (a power of two, 16..256) and GROUP (query heads per KV head) are compile-time, as in
 // the engine's kernel; the number of warps is blockDim.x / 32 (at most MAX_WARPS).
-#include "common.cuh"
+#include "../common.cuh"   // kernels_cu/common.cuh, the helpers every kernel shares
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64

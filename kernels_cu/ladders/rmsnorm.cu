@@ -11,7 +11,7 @@
 //   v5  rmsnorm_v5_warp_row (below)           one WARP per row, no block barrier at all.
 // v1 and v3 are the engine's kernels, compiled from their own file: this file holds only the rungs
 // the engine does not run.
-#include "common.cuh"
+#include "../common.cuh"   // kernels_cu/common.cuh, the helpers every kernel shares
 
 #ifndef VPT
 #define VPT 4          // float4s of its row each thread keeps in registers (v4, v5); the rest is re-read

@@ -11,7 +11,7 @@
 //   v4  causal_softmax_v4_online (below)               v3 with the online softmax: max and sum in one pass.
 //   v5  causal_softmax_v5_float4 (below)               v4 with 16-byte loads and 8-byte stores.
 // v1 and v3 are the engine's kernels, compiled from their own file.
-#include "common.cuh"
+#include "../common.cuh"   // kernels_cu/common.cuh, the helpers every kernel shares
 
 // v2: one block per row, threads stride over its keys (coalesced); the max and then the sum are
 // each reduced by halving through blockDim floats of shared memory (log2(blockDim) barriers each).

@@ -179,7 +179,7 @@ class HostKernels:
         if not lib.exists():
             (self.tmp / "unit.cpp").write_text(unit)
             r = subprocess.run([CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", f"-I{self.tmp}",
-                                f"-I{KERNELS}", "-o", str(lib) + ".part", str(self.tmp / "unit.cpp")],
+                                f"-I{KERNELS}", f"-I{KERNELS / 'ladders'}", "-o", str(lib) + ".part", str(self.tmp / "unit.cpp")],
                                capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"host compile of {source} failed:\n{r.stderr[-4000:]}")
