@@ -553,37 +553,10 @@ def check_page_allocator(cls: type, model_dir=None) -> bool:
 def check_allocator_in_llm(title: str, cls: type, model_dir, prompts, params, *, kv_cache_mib: float,
                            max_seqs: int = 4, show_text: bool = False) -> bool:
     """engine.LLM (NumPy, paged, on-demand admission, prefix caching off) with your allocator class and
-    with the engine's: the same step log, the same tokens for every request."""
-    import engine
-    from engine.exercises.serving_check import compare_step_logs
-
-    def run(**classes):
-        llm = engine.LLM(model_dir, backend="numpy", kv_cache="paged", kv_cache_mib=kv_cache_mib,
-                         admission="on_demand", max_seqs=max_seqs, max_context=256, prefix_caching=False, **classes)
-        results = llm.generate(prompts, params)
-        return [r.token_ids for r in results], llm.last_step_log, [r.text for r in results]
-    want_tokens, want_log, _ = run()
-    try:
-        got_tokens, got_log, texts = run(allocator_cls=cls)
-    except NotImplementedError:
-        print(f"[ ] {title}: not attempted yet (a method still raises NotImplementedError)")
-        return False
-    except Exception as e:  # the learner's bug, shown rather than raised
-        print(f"[x] {title}: engine.LLM with your class raised {type(e).__name__}: {e}")
-        return False
-    context = f" (engine.LLM, {len(prompts)} requests, {kv_cache_mib} MiB of KV pages, on-demand admission)"
-    if not compare_step_logs(title, got_log, want_log, context):
-        return False
-    for i, (mine, real) in enumerate(zip(got_tokens, want_tokens, strict=True)):
-        if mine != real:
-            print(f"[x] {title}{context}: request {i} generated {mine}, the engine {real}")
-            return False
-    preempted = sum(len(e["preempted"]) for e in want_log)
-    print(f"[OK] {title}{context}: the same {len(want_log)} steps ({preempted} preemptions) and the same tokens")
-    if show_text:
-        for i, text in enumerate(texts):
-            print(f"    request {i}: {text!r}")
-    return True
+    with the engine's: the same step log, the same tokens for every request (serving_check.check_llm_with)."""
+    from engine.exercises.serving_check import check_llm_with
+    return check_llm_with(title, model_dir, prompts, params, kv_cache_mib=kv_cache_mib, admission="on_demand",
+                          max_seqs=max_seqs, show_text=show_text, allocator_cls=cls)
 
 
 def check_allocator_in_default_model(cls: type, max_new_tokens: int = 16) -> bool:
