@@ -5,23 +5,22 @@ has no host headers, so this catches what nvcc would forgive. Otherwise with `nv
 The paged-attention and flash-attention kernels are compiled for every variant the engine specializes them for;
 the others with the launch constants their launchers pass.
 """
-import ctypes
-import ctypes.util
-import glob
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from engine import gpu_compile
 from engine.ops import argmax, flash_attention, gemv, paged_attention, sampling
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 # the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions
 SOURCES = [p for pattern in ("*.cu", "exercises/*.cu", "exercises/solutions/*.cu") for p in sorted(KERNELS.glob(pattern))]
+# the kernel ladders' numbered versions (every build of them: tests/test_kernel_ladders.py)
+LADDERS = sorted(KERNELS.glob("ladders/*.cu"))
 # Launch constants come from the Python launchers, passed as -D defines like at run time.
 LAUNCH_CONSTANTS = {
     "paged_attention.cu": {"NWARPS": paged_attention.NWARPS},
@@ -41,50 +40,14 @@ VARIANTS = {
 }
 
 
-def _find_nvrtc():
-    candidates = [ctypes.util.find_library("nvrtc")]
-    for site in sys.path:
-        candidates += glob.glob(os.path.join(site, "nvidia", "cu1*", "lib", "libnvrtc.so.*"))
-        candidates += glob.glob(os.path.join(site, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*"))
-    for c in candidates:
-        if c and "builtins" not in c:
-            try:
-                # a pip wheel's libnvrtc (e.g. torch's nvidia/cu13) finds its builtins library only if
-                # it is already loaded: it is not on the loader's search path
-                for builtins in glob.glob(os.path.join(os.path.dirname(c), "libnvrtc-builtins.so.*")):
-                    if ".alt." not in builtins:
-                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(c)
-            except OSError:
-                continue
-    return None
-
-
-def _cuda_include():
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and Path(root, "include", "cuda_bf16.h").is_file():
-            return str(Path(root, "include"))
-    return None
-
-
-NVRTC, INCLUDE, NVCC = _find_nvrtc(), _cuda_include(), shutil.which("nvcc")
+NVRTC, INCLUDE, NVCC = gpu_compile.nvrtc(), gpu_compile.cuda_include(), shutil.which("nvcc")
 
 
 def nvrtc_compile(source: Path, defines: dict, arch: int) -> str:
     """'' on success, else NVRTC's log."""
-    prog = ctypes.c_void_p()
-    src = source.read_text().encode()
-    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), src, source.name.encode(), 0, None, None) == 0
-    opts = [b"-std=c++17", f"--gpu-architecture=compute_{arch}".encode(), f"-I{KERNELS}".encode(), f"-I{INCLUDE}".encode()]
-    opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    status = NVRTC.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    NVRTC.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    NVRTC.nvrtcGetProgramLog(prog, log)
-    NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
-    return "" if status == 0 else log.value.decode(errors="replace")
+    opts = ["-std=c++17", f"--gpu-architecture=compute_{arch}", f"-I{KERNELS}", f"-I{INCLUDE}"]
+    opts += [f"-D{k}={v}" for k, v in defines.items()]
+    return gpu_compile.nvrtc_log(source.read_text(), opts, source.name) or ""
 
 
 # sm_90 (H100/H200, where it is measured) and sm_75 (a T4, the GPU many learners get for free);
@@ -122,7 +85,7 @@ def test_kernel_defaults_are_the_launch_constants(name):
 
 @pytest.mark.slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("source", SOURCES, ids=[str(s.relative_to(KERNELS)) for s in SOURCES])
+@pytest.mark.parametrize("source", SOURCES + LADDERS, ids=[str(s.relative_to(KERNELS)) for s in SOURCES + LADDERS])
 def test_kernel_compiles_with_plain_nvcc(source):
     """As a learner would try it: no -D, no -I, from anywhere."""
     r = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-ptx", "-o", os.devnull, str(source)],

@@ -23,18 +23,12 @@ with its GPU and date; where no run is recorded it says so.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import datetime
-import glob
 import itertools
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from engine import gpu_compile
 from engine.backend import KERNELS_DIR, bf16_to_f32
 
 SCHEMA = "engine.kernel_ladder/1"
@@ -958,35 +953,10 @@ def all_builds(names: list[str] | None = None) -> list[Build]:
     return list(seen)
 
 
-def _cuda_include() -> str | None:
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and Path(root, "include", "cuda_bf16.h").is_file():
-            return str(Path(root, "include"))
-    return None
-
-
-def _find_nvrtc():
-    candidates = [ctypes.util.find_library("nvrtc")]
-    for site in sys.path:
-        candidates += glob.glob(os.path.join(site, "nvidia", "cu1*", "lib", "libnvrtc.so.*"))
-        candidates += glob.glob(os.path.join(site, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*"))
-    for c in candidates:
-        if c and "builtins" not in c:
-            try:
-                for builtins in glob.glob(os.path.join(os.path.dirname(c), "libnvrtc-builtins.so.*")):
-                    if ".alt." not in builtins:
-                        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(c)
-            except OSError:
-                continue
-    return None
-
-
 def compiler() -> str | None:
     """'nvrtc' or 'nvcc' (whichever is here; no GPU needed), or None."""
-    if _find_nvrtc() is not None and _cuda_include():
-        return "nvrtc"
-    return "nvcc" if shutil.which("nvcc") else None
+    tool = gpu_compile.compiler()
+    return None if tool is None else tool.lower()
 
 
 def compile_build(build: Build, arch: int = 90, tool: str | None = None) -> str:
@@ -994,26 +964,15 @@ def compile_build(build: Build, arch: int = 90, tool: str | None = None) -> str:
     tool = tool or compiler()
     path = KERNELS_DIR / build.source
     defines = [f"-D{k}={v}" for k, v in build.defines]
+    # kernels_cu/ and the file's own folder on the include path (its "../common.cuh"), as nvcc gives it
+    includes = [f"-I{KERNELS_DIR}", f"-I{path.parent}"]
     if tool == "nvrtc":
-        lib = _find_nvrtc()
-        prog = ctypes.c_void_p()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), path.read_text().encode(), str(path).encode(), 0, None, None) == 0
-        opts = [b"-std=c++17", b"--use_fast_math", f"--gpu-architecture=compute_{arch}".encode(),
-                f"-I{KERNELS_DIR}".encode(), f"-I{path.parent}".encode(),    # its includes next to it, as nvcc
-                f"-I{_cuda_include()}".encode()] + [d.encode() for d in defines]
-        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        return "" if status == 0 else log.value.decode(errors="replace")
+        opts = ["-std=c++17", "--use_fast_math", f"--gpu-architecture=compute_{arch}", *includes,
+                f"-I{gpu_compile.cuda_include()}", *defines]
+        return gpu_compile.nvrtc_log(path.read_text(), opts, str(path)) or ""
     if tool == "nvcc":
-        with tempfile.TemporaryDirectory() as tmp:
-            cmd = ["nvcc", "-std=c++17", "--use_fast_math", f"-arch=sm_{arch}", "-ptx", f"-I{KERNELS_DIR}",
-                   "-o", os.path.join(tmp, "out.ptx"), str(path), *defines]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-        return "" if r.returncode == 0 else (r.stderr or r.stdout)
+        opts = ["-std=c++17", "--use_fast_math", f"-arch=sm_{arch}", *includes, *defines]
+        return gpu_compile.nvcc_log(path.read_text(), opts, str(path)) or ""
     raise RuntimeError("no CUDA compiler here (neither NVRTC with the CUDA headers nor nvcc)")
 
 

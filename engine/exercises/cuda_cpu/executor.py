@@ -21,10 +21,7 @@ It measures no speed: a CPU emulating thousands of threads says nothing about a 
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
-import glob
 import hashlib
 import json
 import mmap
@@ -39,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from engine import gpu_compile
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "cuda_cpu.h"
@@ -87,54 +86,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _site_dirs() -> list[str]:
-    dirs = list(sys.path)
-    try:
-        import site
-        dirs += site.getsitepackages() + [site.getusersitepackages()]
-    except Exception:   # a virtualenv without site's helpers
-        pass
-    return [d for d in dict.fromkeys(dirs) if d and os.path.isdir(d)]
-
-
-@functools.cache
-def _nvrtc():
-    """libnvrtc (CuPy's or NVIDIA's wheels, CUDA_PATH, the loader's path) loaded, or None."""
-    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
-    candidates = [os.path.join(r, sub, "libnvrtc.so*") for r in roots if r for sub in ("lib64", "lib")]
-    for site in _site_dirs():
-        candidates += [os.path.join(site, "nvidia", d, "lib", "libnvrtc.so*") for d in ("cu13", "cu12", "cuda_nvrtc")]
-    paths = [p for c in candidates for p in sorted(glob.glob(c)) if "builtins" not in p and "alt" not in p]
-    found = ctypes.util.find_library("nvrtc")
-    for path in paths + ([found] if found else []):
-        try:
-            # a wheel's libnvrtc finds its builtins library only if it is loaded first (it is not on the loader's path)
-            for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
-                if ".alt." not in builtins:
-                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
-
-
-@functools.cache
-def _cuda_include() -> str | None:
-    """A folder with cuda_bf16.h for NVRTC (the CUDA toolkit, or NVIDIA's runtime wheels)."""
-    roots = [os.path.join(r, "include") for r in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"),
-                                                  "/usr/local/cuda") if r]
-    for site in _site_dirs():
-        roots += [os.path.join(site, "nvidia", d, "include") for d in ("cu13", "cu12", "cuda_runtime")]
-    return next((r for r in roots if os.path.isfile(os.path.join(r, "cuda_bf16.h"))), None)
-
-
 def gpu_compiler() -> str | None:
-    """"NVRTC", "nvcc" or None: what checks the kernel for the GPU here."""
-    if _nvrtc() is not None and _cuda_include() is not None:
-        return "NVRTC"
-    if shutil.which("nvcc"):
-        return "nvcc"
-    return None
+    """"NVRTC", "nvcc" or None: what checks the kernel for the GPU here (engine/gpu_compile.py)."""
+    return gpu_compile.compiler()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,38 +105,12 @@ def compile_for_gpu(text: str, shown: str, defines: dict) -> tuple[str | None, s
     from engine.backend import KERNELS_DIR, _point_at_source
     tool = gpu_compiler()
     if tool == "NVRTC":
-        log = _nvrtc_log(text, _gpu_options(defines, KERNELS_DIR) + [f"-I{_cuda_include()}"])
+        log = gpu_compile.nvrtc_log(text, _gpu_options(defines, KERNELS_DIR) + [f"-I{gpu_compile.cuda_include()}"])
     elif tool == "nvcc":
-        log = _nvcc_log(text, _gpu_options(defines, KERNELS_DIR))
+        log = gpu_compile.nvcc_log(text, _gpu_options(defines, KERNELS_DIR))
     else:
         return None, None
     return tool, (None if log is None else _point_at_source(log, shown))
-
-
-def _nvrtc_log(text: str, options: list[str]) -> str | None:
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"kernel.cu", 0, None, None) != 0:
-        return "NVRTC could not create a program from the source"
-    opts = [o.encode() for o in options]
-    status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return None if status == 0 else log.value.decode(errors="replace")
-
-
-def _nvcc_log(text: str, options: list[str]) -> str | None:
-    with tempfile.TemporaryDirectory(prefix="cuda_cpu_nvcc_") as tmp:
-        (Path(tmp) / "kernel.cu").write_text(text)
-        cmd = [shutil.which("nvcc") or "nvcc", *options, "-ptx", "-o", os.devnull, "kernel.cu"]
-        try:
-            r = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            return "kernel.cu(1): error: nvcc did not finish within 120 s"
-    return None if r.returncode == 0 else (r.stderr or r.stdout)
 
 
 # ----------------------------------------------------------------------------------------------
