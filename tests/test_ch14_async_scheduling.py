@@ -37,7 +37,9 @@ def run_on_device(batch, cache: dict, previous) -> list[int]:
             for row in batch.rows if row.samples]
 
 
-def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
+def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0, clients=0):
+    """Run a workload with a batch always in flight; `clients` > 0: each request names one of that many
+    clients (fair seats may then preempt, whatever the admission)."""
     pool = setup["allocator"]
     sched = Scheduler(pool, setup["max_seqs"], setup["max_batch_tokens"], setup["max_context"],
                       eos_token_ids=[EOS], policy=setup["policy"], admission=setup["admission"],
@@ -52,7 +54,8 @@ def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
         while arrivals and arrivals[0][0] <= step:
             _, prompt, p = arrivals.pop(0)
             try:
-                prompts[sched.submit(prompt, p)] = (prompt, p)
+                named = {"client": rng.randrange(clients)} if clients else {}
+                prompts[sched.submit(prompt, p, **named)] = (prompt, p)
             except ValueError:
                 pass
         live = sched.snapshot()["waiting"] + sched.snapshot()["running"]
@@ -108,7 +111,7 @@ def simulate_async(setup, cancel_rate=0.0, abort_rate=0.0):
             handed.setdefault(rid, []).append(token)
     for rid, result in results.items():
         assert handed.get(rid, []) == result.token_ids
-    if setup["admission"] == "conservative":
+    if setup["admission"] == "conservative" and not clients:
         assert sched.num_preemptions == 0
     return results, log, lookaheads, declined
 

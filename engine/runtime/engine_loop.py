@@ -107,12 +107,13 @@ class EngineLoop:
             raise ValueError("stop strings need text: this model directory has no tokenizer.json")
         return prompt
 
-    def submit(self, prompt_ids: list[int], params) -> RequestHandle:
-        return self.submit_many([(prompt_ids, params)])[0]
+    def submit(self, prompt_ids: list[int], params, client=None) -> RequestHandle:
+        return self.submit_many([(prompt_ids, params)], client)[0]
 
-    def submit_many(self, requests) -> list[RequestHandle]:
+    def submit_many(self, requests, client=None) -> list[RequestHandle]:
         """Queue (prompt_ids, params) requests together: the loop sees all of them or none at its next
-        step, so one generate() call's step log does not depend on thread timing."""
+        step, so one generate() call's step log does not depend on thread timing. `client`: who sent
+        them (the scheduler shares seats fairly among clients)."""
         prompts = [self.validate(prompt_ids, params) for prompt_ids, params in requests]
         manual = self.manual() if self.manual is not None else None
         if manual is not None and manual.has_unfinished():
@@ -123,7 +124,7 @@ class EngineLoop:
             handles = []
             for prompt, (_, params) in zip(prompts, requests, strict=True):
                 handles.append(RequestHandle(self.hub, self._next_id, prompt, params,
-                                             cancel=self.cancel, tokenizer=self._tokenizer))
+                                             cancel=self.cancel, tokenizer=self._tokenizer, client=client))
                 self._next_id += 1
             self._pending.extend(handles)
             self._start_thread()
@@ -216,7 +217,9 @@ class EngineLoop:
     def _iteration(self, runner: ModelRunner, pending: list[RequestHandle], cancels: set[int]) -> None:
         sched = self.scheduler
         for handle in pending:
-            request_id = sched.submit(handle.prompt_token_ids, handle.params)
+            # (a learner's scheduler of chapters 10-11 need not know clients)
+            named = {"client": handle.client} if handle.client is not None else {}
+            request_id = sched.submit(handle.prompt_token_ids, handle.params, **named)
             if request_id != handle.request_id:
                 raise RuntimeError(f"engine and scheduler request ids diverged ({handle.request_id} != {request_id})")
             self._seeds[request_id] = resolve_seed(handle.params)

@@ -105,18 +105,18 @@ class RemoteLLM:
             except OSError as exc:
                 raise EngineProcessError(f"the engine process is gone ({exc})") from None
 
-    def submit(self, prompt, params: SamplingParams | None = None, *, session=None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, *, session=None, client=None) -> RequestHandle:
         """Queue a prompt (text or token ids). The engine process checks it: await handle.accepted()
         raises its ValueError (a 400 in the server) when it refuses the request."""
         if session is not None:
             warn_sessions_gone()
         prompt_ids, params = prepare_prompt(prompt, params, self.tokenizer, self.vocab_size)
         handle = RequestHandle(self.hub, next(self._ids), prompt_ids, params, cancel=self.cancel,
-                               tokenizer=self.tokenizer, accepted=False)
+                               tokenizer=self.tokenizer, accepted=False, client=client)
         with self.hub.cond:
             self._handles[handle.request_id] = handle
         try:
-            self._send(("submit", handle.request_id, prompt_ids, params))
+            self._send(("submit", handle.request_id, prompt_ids, params, client))
         except BaseException:
             with self.hub.cond:
                 self._handles.pop(handle.request_id, None)
@@ -274,9 +274,9 @@ class Forwarder:
             self.llm.close()
             forwarder.join(timeout=10)
 
-    def submit(self, request_id: int, prompt_ids: list[int], params) -> None:
+    def submit(self, request_id: int, prompt_ids: list[int], params, client) -> None:
         try:
-            handle = self.llm.submit(prompt_ids, params)
+            handle = self.llm.submit(prompt_ids, params, client=client)
         except ValueError as exc:
             self.send(("refused", request_id, str(exc)))
             return

@@ -100,18 +100,20 @@ class LLM:
     def _prepare(self, prompt, params) -> tuple[list[int], SamplingParams]:
         return prepare_prompt(prompt, params, self.tokenizer, self.config.vocab_size)
 
-    def submit(self, prompt, params: SamplingParams | None = None, *, session=None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams | None = None, *, session=None, client=None) -> RequestHandle:
         """Queue one prompt (text or token ids) from any thread; it joins the running batch at the next
         step. Returns a handle: .stream() / .astream() events, .result(), .cancel(), .request_id.
 
         Invalid prompts or params raise ValueError here, before anything runs. A chat's next turn
         needs nothing special: with prefix caching it finds the earlier turns' pages by their tokens
-        (`session` is ignored, with a DeprecationWarning).
+        (`session` is ignored, with a DeprecationWarning). `client` (any hashable: an API key, an
+        address) names who sent it: when every seat is taken, seats are shared fairly among clients
+        (engine/runtime/scheduler.py, "Fair seats").
         """
         if session is not None:
             warn_sessions_gone()
         prompt_ids, params = self._prepare(prompt, params)
-        return self._engine.submit(prompt_ids, params)
+        return self._engine.submit(prompt_ids, params, client)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page (a benchmark's warm-up must not serve the timed run). Between

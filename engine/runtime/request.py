@@ -125,8 +125,9 @@ class RequestHandle:
     """
 
     def __init__(self, hub: HandleHub, request_id: int, prompt_token_ids: list[int], params, *,
-                 cancel: Callable[[int], None], tokenizer=None, accepted: bool = True):
+                 cancel: Callable[[int], None], tokenizer=None, accepted: bool = True, client=None):
         self.request_id = request_id
+        self.client = client              # who sent it (the scheduler shares seats fairly among clients)
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self._hub, self._cond = hub, hub.cond

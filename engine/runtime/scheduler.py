@@ -45,6 +45,16 @@ Policies (`policy=`):
   finish early keep their seat until the group ends: the step log counts them as `idle_slots` (the
   rows a padded static batch would still compute). Their memory is released at once.
 
+Fair seats (continuous policy). A request may name its `client` (submit(..., client=): the server
+passes the API key, or the address without keys). Among waiting requests the next admitted is the
+first of the client holding the fewest seats (running requests); one client alone, or requests that
+name none, are plain FIFO. When every seat is taken and a waiting client holds at least two seats
+fewer than the heaviest client, the heaviest client's newest running requests are preempted (as
+on-demand admission does: pages freed, generated tokens kept, recomputed later, mostly from the
+prefix cache) until the two are within one seat: a client flooding the server with a thousand
+requests holds its share of the seats, never all of them, and a newcomer's first token waits for
+one step, not for the flood to drain. A client is never preempted for its own requests.
+
 Admission (`admission=`), i.e. how memory is promised:
 - "conservative" (default): a request is admitted only if the pool can hold its worst case next to the
   worst cases of everyone running, where worst_pages = pages_needed(min(prompt + max_new_tokens,
@@ -52,7 +62,7 @@ Admission (`admission=`), i.e. how memory is promised:
   its first row must cover every running request's growth to its worst case, sum(worst_pages -
   pages held). Without shared pages that is sum(worst_pages) <= num_pages; a page several requests
   share is counted once. Pages are still taken lazily, step by step, but no step can ever run dry,
-  so there is never a preemption.
+  so memory never forces a preemption (fair seats may still move one, see above).
 - "on_demand": a request is admitted when its prompt fits now. When a step cannot get a page for
   a running sequence's row (decode or chunk), the NEWEST running request without a row in this step
   is preempted (its pages freed, its generated tokens kept, put back at the HEAD of the waiting
@@ -338,6 +348,7 @@ class _Request:
     # its next page's key names), and the root its chain started from at admission
     chain: list[int] = field(default_factory=list)
     root: Any = None
+    client: Any = None      # who sent it (the server's API key or address): seats are shared fairly among clients
     # its last lookup while it waits at the head of the queue: (root, known tokens, pages, their serials)
     lookup: tuple[Any, int, list[int], list[int]] | None = None
 
@@ -470,15 +481,17 @@ class Scheduler:
         self.step_log: list[StepRecord] = []
 
     # ---- requests in -------------------------------------------------------------------------
-    def submit(self, prompt_ids, params) -> int:
-        """Queue a request and return its id; InvalidRequest if it can never be served."""
+    def submit(self, prompt_ids, params, client=None) -> int:
+        """Queue a request and return its id; InvalidRequest if it can never be served. `client` (any
+        hashable: an API key, an address) names who sent it, for fair seats (see the module docstring)."""
         prompt, max_new, worst_pages = self.validate(prompt_ids, params)
         request_id = self._new_request_id()
         if max_new == 0:   # nothing to generate: finished at once, never scheduled
             self._finished.append(Result(request_id, prompt, [], "length"))
             return request_id
         self._requests[request_id] = _Request(request_id, prompt, params, max_new,
-                                              bool(getattr(params, "ignore_eos", False)), worst_pages)
+                                              bool(getattr(params, "ignore_eos", False)), worst_pages,
+                                              client=client)
         self._waiting.append(request_id)
         return request_id
 
@@ -555,9 +568,12 @@ class Scheduler:
         return batch
 
     def _next_rows(self) -> tuple[list[Row], list[int]]:
+        fair = self._share_seats() if self.policy == "continuous" else []
         if self.chunked_prefill and self.policy == "continuous":
-            return self._mixed_rows()
+            rows, preempted = self._mixed_rows()
+            return rows, fair + preempted
         rows, preempted = self._prefill_rows()
+        preempted = fair + preempted
         if not rows:
             rows, more = self._decode_rows()
             preempted += more
@@ -785,7 +801,8 @@ class Scheduler:
         return rows + chunks + self._admit(self.max_batch_tokens - used, alone_if_long=False), preempted + more
 
     def _admit(self, budget: int, alone_if_long: bool) -> list[Row]:
-        """Admit waiting requests from the head of the queue while they fit (FIFO, no overtaking).
+        """Admit waiting requests while they fit, in queue order (FIFO, no overtaking); with several
+        clients, the next is the first waiting request of the client holding the fewest seats.
 
         A request's tokens to compute are those after the prefix found in the prefix cache. Without
         chunking they must all fit the budget (a longer request runs alone when `alone_if_long`); with
@@ -799,8 +816,9 @@ class Scheduler:
         growth = sum(self._requests[rid].worst_pages - size_of(rid) for rid in self._running) \
             if self.admission == "conservative" else None
         root = root_key() if self.prefix_caching else None
+        seats = self._seats()
         while self._waiting and budget > 0:
-            request = self._requests[self._waiting[0]]
+            request = self._requests[self._next_waiting(seats)]
             if not self._has_seat(request):
                 break
             plan = self._plan(request, self._cache_hits(request, root), budget, growth)
@@ -810,6 +828,7 @@ class Scheduler:
             if not self.chunked_prefill and chunk > budget and not (alone_if_long and not rows):
                 break
             rows.append(self._start(request, hits, root, chunk))
+            seats[request.client] = seats.get(request.client, 0) + 1
             if growth is not None:
                 growth += request.worst_pages - size_of(request.request_id)
             budget -= chunk
@@ -873,7 +892,10 @@ class Scheduler:
     def _start(self, request: _Request, hits: list[int], root, chunk: int) -> Row:
         """Move the head of the queue to the running requests: share the cached pages of its prefix
         (not computed again); the row of the first `chunk` tokens after it."""
-        self._waiting.popleft()
+        if self._waiting[0] == request.request_id:
+            self._waiting.popleft()
+        else:                                  # a lighter client's request, chosen by _next_waiting
+            self._waiting.remove(request.request_id)
         if hits:
             self.allocator.share(request.request_id, hits)
         request.chain = [self.allocator.serial(page) for page in hits]
@@ -890,6 +912,69 @@ class Scheduler:
         if hits and self.allocator.must_copy(request.request_id, index):
             copy = self.allocator.copy_on_write(request.request_id, index)
         return self._reserve_row(request, chunk, copy)
+
+    def _seats(self) -> dict:
+        """client -> running requests it holds."""
+        seats: dict = {}
+        for rid in self._running:
+            client = self._requests[rid].client
+            seats[client] = seats.get(client, 0) + 1
+        return seats
+
+    def _next_waiting(self, seats: dict) -> int:
+        """The waiting request to admit next: the first in the queue of the client holding the fewest
+        seats (ties: the one queued first). One client alone (or none named) is plain FIFO."""
+        head = self._waiting[0]
+        if self.policy != "continuous":
+            return head
+        best, fewest, seen = head, seats.get(self._requests[head].client, 0), set()
+        for rid in self._waiting:
+            if fewest == 0:
+                break
+            client = self._requests[rid].client
+            if client in seen:
+                continue
+            seen.add(client)
+            held = seats.get(client, 0)
+            if held < fewest:
+                best, fewest = rid, held
+        return best
+
+    def _share_seats(self) -> list[int]:
+        """Fair seats: when every seat is taken and a waiting client holds at least two seats fewer
+        than the client holding the most, seats move from the heaviest client to the lightest waiting
+        one until they are within one seat of each other: the heaviest client's newest running request
+        is preempted (its K/V computed again later, from the prefix cache where its pages still are)
+        and _admit() gives the freed seat to the lightest client. A client alone is never preempted for
+        its own requests. A lookahead (a batch in flight) never preempts: it declines, and the next
+        schedule() does it."""
+        if not self._waiting or len(self._running) < self.max_seqs:
+            return []
+        seats = self._seats()
+        queued: dict = {}
+        for rid in self._waiting:
+            client = self._requests[rid].client
+            queued[client] = queued.get(client, 0) + 1
+        moves = []
+        while True:
+            lightest = min(queued, key=lambda c: seats.get(c, 0)) if queued else None
+            heaviest = max(seats, key=lambda c: seats[c])
+            if lightest is None or seats[heaviest] <= seats.get(lightest, 0) + 1:
+                break
+            moves.append(heaviest)
+            seats[heaviest] -= 1
+            seats[lightest] = seats.get(lightest, 0) + 1
+            queued[lightest] -= 1
+            if not queued[lightest]:
+                del queued[lightest]
+        if moves and self._in_flight:
+            raise _Declined
+        preempted = []
+        for client in moves:
+            victim = next(rid for rid in reversed(self._running) if self._requests[rid].client == client)
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
 
     def _has_seat(self, request: _Request) -> bool:
         if self.policy == "continuous":
