@@ -1,9 +1,28 @@
 """The OpenAI HTTP API's request and response shapes, as far as this engine serves them (chapter 12).
 
-Requests are pydantic models: a wrong type becomes a 400 with an OpenAI error object naming the
-field. Fields that clients send but this engine does not act on (user, logit_bias=None, ...) are
-accepted and ignored, as vLLM does; fields whose value would change the answer in a way the engine
-cannot honour (n > 1, logprobs, tools) are refused with a 400 rather than silently dropped.
+Requests are pydantic models, strict in the JSON sense: a JSON string is never a number or a bool
+("2", "yes"), a float is never an integer (1.0 for max_tokens or a token id is refused), a bool is never
+a number (max_tokens: true); an integer is a valid number (temperature: 1 is 1.0). A wrong type becomes
+a 400 with an OpenAI error object naming the field. Integers are bounded where the engine stores them
+in fixed width: seed in [0, 2**63), top_k up to 2**31 - 1, token ids in [0, 2**31); max_tokens is
+bounded by the server's own limit. null means the default for temperature, top_p, n, stream, top_k.
+
+Known fields that would change the answer in a way the engine cannot honour are refused with a 400
+naming the field (ProtocolError from check_supported) instead of being silently dropped. Each is
+accepted only with the value that leaves the answer unchanged:
+
+    both endpoints   n (only 1), best_of (null or 1), logprobs (null or false), top_logprobs (null or 0),
+                     logit_bias (null or {}), presence_penalty and frequency_penalty (null or 0),
+                     repetition_penalty (null or 1), min_p (null or 0), response_format (null or
+                     {"type": "text"}), prompt_logprobs (null), guided_json, guided_regex,
+                     guided_choice, guided_grammar (null)
+    chat             tools and functions (null or []), tool_choice and function_call (null or "none")
+    completions      echo (false), suffix (null or "")
+
+Known fields with no effect on the answer are accepted and ignored: user, metadata, store,
+parallel_tool_calls, service_tier, stream_options.continuous_usage_stats (stream_options.include_usage
+is honoured), and a message's name. Unknown fields are accepted and ignored too (clients send vendor
+extras), as vLLM does. The "developer" role is OpenAI's newer name for "system" and is rendered as one.
 
 Responses are plain dicts built by the helpers at the bottom, one per object type:
 "chat.completion", "chat.completion.chunk", "text_completion", "model", "list".
@@ -12,13 +31,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import cast
+from collections.abc import Callable
+from typing import Annotated, Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.runtime.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
+TOKEN_ID_LIMIT = 2**31          # token ids: int32 range
+SEED_LIMIT = 2**63
+TOP_K_MAX = 2**31 - 1
+
+# extra="allow": unknown fields pass (and are ignored); strict=True: no coercion between JSON types.
+# Each model needs it: a nested model validates with its own config, not its parent's.
+_STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class ProtocolError(ValueError):
@@ -29,37 +57,108 @@ class ProtocolError(ValueError):
         self.param = param
 
 
+def _short(value: Any) -> str:
+    """A bounded description of an offending JSON value for an error message."""
+    text = repr(value) if isinstance(value, (bool, int, float)) or value is None else type(value).__name__
+    if isinstance(value, str):
+        text = repr(value if len(value) <= 40 else value[:40] + "...")
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _one_of(what: str) -> WrapValidator:
+    """A union's errors as one, at the field itself: "must be a string or a list of strings, got 5"
+    (pydantic would report each member of the union under its own location)."""
+    def check(value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("type_error", "must be {what}, got {got}",
+                                      {"what": what, "got": _short(value)}) from None
+    return WrapValidator(check)
+
+
+Stop = Annotated[str | list[str] | None, _one_of("a string, a list of strings or null")]
+Content = Annotated[str | list[dict] | None, _one_of("a string, a list of content parts (objects) or null")]
+Logprobs = Annotated[bool | int | None, _one_of("a bool, an integer or null")]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+TopK = Annotated[int, Field(le=TOP_K_MAX)]      # negatives: SamplingParams says "0 disables it"
+
+
+def _refusals(checks: list[tuple[str, bool, str]]) -> None:
+    """checks: (field, the value leaves the answer unchanged, what the refusal says)."""
+    for field, fine, message in checks:
+        if not fine:
+            raise ProtocolError(message, field)
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     role: str
-    content: str | list[dict] | None = None
+    content: Content = None
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by both endpoints. temperature defaults to 1.0, as in OpenAI's API."""
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                 # not in OpenAI's API; vLLM and others accept it
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: TopK = 0                # not in OpenAI's API; vLLM and others accept it
+    seed: Seed | None = None
+    stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    logprobs: bool | int | None = None
     ignore_eos: bool = False       # benchmarks: keep going past eos
+    # refused unless they hold the value that changes nothing (check_supported)
+    n: int = 1
+    best_of: int | None = None
+    logprobs: Logprobs = None
+    top_logprobs: int | None = None
+    logit_bias: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None     # vLLM's
+    min_p: float | None = None                  # vLLM's
+    response_format: dict | None = None
+    prompt_logprobs: int | None = None          # vLLM's
+    guided_json: Any = None                     # vLLM's guided decoding: a schema (string or object)
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in ("temperature", "top_p", "n", "stream", "top_k", "ignore_eos"))}
+        return data
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise ProtocolError("only n=1 is supported", "n")
-        if self.logprobs:
-            raise ProtocolError("logprobs are not supported", "logprobs")
+        _refusals([
+            ("n", self.n == 1, "only n=1 is supported"),
+            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
+            ("logprobs", self.logprobs is None or self.logprobs is False, "logprobs are not supported"),
+            ("top_logprobs", self.top_logprobs in (None, 0), "top_logprobs are not supported"),
+            ("logit_bias", not self.logit_bias, "logit_bias is not supported"),
+            ("presence_penalty", self.presence_penalty in (None, 0), "presence_penalty is not supported (only 0)"),
+            ("frequency_penalty", self.frequency_penalty in (None, 0),
+             "frequency_penalty is not supported (only 0)"),
+            ("repetition_penalty", self.repetition_penalty in (None, 1),
+             "repetition_penalty is not supported (only 1)"),
+            ("min_p", self.min_p in (None, 0), "min_p is not supported (only 0)"),
+            ("response_format", self.response_format in (None, {"type": "text"}),
+             "response_format is not supported (only {\"type\": \"text\"})"),
+            ("prompt_logprobs", self.prompt_logprobs is None, "prompt_logprobs are not supported"),
+            *((f, getattr(self, f) is None, f"{f} (guided decoding) is not supported")
+              for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
+        ])
 
     def sampling_params(self, max_tokens_field: str = "max_tokens") -> SamplingParams:
         """ValueError (a 400) on invalid values: SamplingParams validates them all."""
@@ -85,11 +184,19 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None    # the newer name of max_tokens
     tools: list | None = None
+    tool_choice: Any = None                     # "none", "auto", "required" or an object
+    functions: list | None = None               # tools' older names
+    function_call: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise ProtocolError("tools are not supported", "tools")
+        _refusals([
+            ("tools", not self.tools, "tools are not supported"),
+            ("tool_choice", self.tool_choice in (None, "none"), "tool_choice is not supported (only \"none\")"),
+            ("functions", not self.functions, "functions are not supported"),
+            ("function_call", self.function_call in (None, "none"),
+             "function_call is not supported (only \"none\")"),
+        ])
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
 
@@ -99,11 +206,23 @@ class ChatCompletionRequest(SamplingRequest):
         for i, m in enumerate(self.messages):
             content = m.content
             if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ProtocolError("only text content parts are supported", f"messages[{i}].content")
-                content = "".join(str(p.get("text", "")) for p in content)
-            out.append({"role": m.role, "content": content or ""})
+                if not all(p.get("type") == "text" and isinstance(p.get("text", ""), str) for p in content):
+                    raise ProtocolError("only text content parts (with a string text) are supported",
+                                        f"messages[{i}].content")
+                content = "".join(p.get("text", "") for p in content)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         return out
+
+
+def _prompt_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError("prompt_type", "{message}", {"message": message})
+
+
+def _token_ids(ids: list, where: str) -> list[int]:
+    for i, t in enumerate(ids):
+        if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT:    # type(): a bool is not a token id
+            raise _prompt_error(f"{where}[{i}] must be a token id (an integer in [0, 2**31)), got {_short(t)}")
+    return ids
 
 
 class CompletionRequest(SamplingRequest):
@@ -111,12 +230,35 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """A string, a list of token ids, a list of strings or a list of lists of token ids (one
+        error naming the first bad element, where pydantic would report each shape of the union)."""
+        shape = "a string, a list of token ids, a list of strings or a list of lists of token ids"
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _prompt_error(f"must be {shape}, got {_short(value)}")
+        if value and isinstance(value[0], str):
+            bad = next((i for i, p in enumerate(value) if not isinstance(p, str)), None)
+            if bad is not None:
+                raise _prompt_error(f"prompt[{bad}] must be a string (a list of prompts), got {_short(value[bad])}")
+            return value
+        if value and isinstance(value[0], list):
+            for i, p in enumerate(value):
+                if not isinstance(p, list):
+                    raise _prompt_error(f"prompt[{i}] must be a list of token ids, got {_short(p)}")
+                _token_ids(p, f"prompt[{i}]")
+            return value
+        return _token_ids(value, "prompt")
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ProtocolError("echo is not supported", "echo")
-        if self.suffix:
-            raise ProtocolError("suffix is not supported", "suffix")
+        _refusals([
+            ("echo", not self.echo, "echo is not supported"),
+            ("suffix", not self.suffix, "suffix is not supported"),
+        ])
 
     def single_prompt(self) -> str | list[int]:
         """One prompt (text or token ids); a batch of prompts in one request is refused."""
