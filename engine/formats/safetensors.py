@@ -31,6 +31,7 @@ import mmap
 import operator
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,12 +46,21 @@ __all__ = [
     "DTYPES", "SafetensorsError", "TensorNotFoundError", "TensorInfo", "SafetensorsFile",
     "safe_open", "load_file", "save_file", "Checkpoint", "open_checkpoint",
     "MAX_HEADER_LENGTH", "SINGLE_FILE", "INDEX_FILE", "use_header_reader",
+    "MAX_INDEX_BYTES", "MAX_INDEX_ENTRIES", "MAX_INDEX_SHARDS",
 ]
 
 # The reference implementation refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_LENGTH = 100_000_000
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# The sharded index is read whole and parsed, so it is bounded before a byte is read. Llama-3-405B's
+# index is ~100 kB for ~1,300 tensors in 191 shards; the largest MoE checkpoints list ~90k tensors in
+# under 10 MB. A real entry ("model.layers.0.mlp.up_proj.weight": "model-00001-of-00191.safetensors")
+# is 60-100 bytes, so 16 MiB holds at most ~250k of them: the entry limit matches the size limit, and
+# parsing an index at both limits takes a fraction of a second and under ~100 MB.
+MAX_INDEX_BYTES = 16 << 20
+MAX_INDEX_ENTRIES = 1 << 18
+MAX_INDEX_SHARDS = 1 << 14
 _INT64_MAX = 2**63 - 1
 
 # safetensors dtype name -> (NumPy dtype the bytes are viewed as, bytes per element).
@@ -550,6 +560,78 @@ def save_file(tensors: dict, path, metadata: dict | None = None, dtype: str | No
 
 # ----------------------------------------------------------------------------- checkpoints
 
+def _exists(path: Path) -> bool:
+    """Anything at path, a dangling link or a FIFO included (Path.is_file() would skip those silently)."""
+    try:
+        path.lstat()
+    except OSError:
+        return False
+    return True
+
+
+def _read_index_bytes(index_path: Path) -> bytes:
+    """The bytes of the index: a regular file of at most MAX_INDEX_BYTES. Checked with fstat on the opened
+    descriptor (O_NONBLOCK: opening a FIFO does not wait for a writer), so a FIFO, a device (a link to
+    /dev/zero) or a directory is refused before a byte is read; a file growing meanwhile is cut at cap + 1."""
+    try:
+        fd = os.open(index_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise SafetensorsError(f"{index_path}: cannot open the index: {e.strerror or e}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SafetensorsError(f"{index_path}: the index is not a regular file")
+        if info.st_size > MAX_INDEX_BYTES:
+            raise SafetensorsError(f"{index_path}: the index is {info.st_size:,} bytes; "
+                                   f"the limit is {MAX_INDEX_BYTES:,}")
+        chunks, total = [], 0
+        while total <= MAX_INDEX_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_INDEX_BYTES + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as e:
+        raise SafetensorsError(f"{index_path}: cannot read the index: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if total > MAX_INDEX_BYTES:
+        raise SafetensorsError(f"{index_path}: the index grew past the {MAX_INDEX_BYTES:,}-byte limit while read")
+    return b"".join(chunks)
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    """The weight_map of the index (tensor name -> shard file name), its size and types checked."""
+    raw = _read_index_bytes(index_path)
+    # Every entry needs a ':'. Counting them (in C, no allocation) bounds the entries before json builds
+    # them: a 16 MiB file of '"t1":"s",' entries would otherwise cost ~2M Python objects of each kind.
+    if raw.count(b":") > MAX_INDEX_ENTRIES + 1024:   # + room for "metadata"
+        raise SafetensorsError(f"{index_path}: the index holds more than {MAX_INDEX_ENTRIES:,} entries "
+                               "(the limit)")
+    try:
+        index = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates,
+                           parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SafetensorsError(f"{index_path}: not a valid JSON index ({e})") from None
+    except SafetensorsError as e:   # a duplicate key, NaN
+        raise SafetensorsError(f"{index_path}: not a valid JSON index ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise SafetensorsError(f"{index_path}: needs a 'weight_map' object of name -> shard")
+    if len(weight_map) > MAX_INDEX_ENTRIES:
+        raise SafetensorsError(f"{index_path}: the weight_map has {len(weight_map):,} entries; "
+                               f"the limit is {MAX_INDEX_ENTRIES:,}")
+    if not weight_map:
+        raise SafetensorsError(f"{index_path}: the weight_map is empty")
+    for name, shard in weight_map.items():
+        if not name:
+            raise SafetensorsError(f"{index_path}: the weight_map has an empty tensor name")
+        if not isinstance(shard, str):
+            raise SafetensorsError(f"{index_path}: shard name {shard!r} (of tensor {name!r}) must be a plain "
+                                   "file name inside the model directory")
+    return weight_map
+
+
 def _shard_path(model_dir: Path, shard) -> Path:
     """A shard must be a plain file name inside model_dir: no paths, no '..', nothing absolute."""
     if (not isinstance(shard, str) or not shard or shard in (".", "..") or "\0" in shard
@@ -569,7 +651,7 @@ class Checkpoint:
         try:
             if path.is_file():
                 self._add(safe_open(path))
-            elif (path / INDEX_FILE).is_file():
+            elif _exists(path / INDEX_FILE):   # whatever is there: a FIFO or a device is refused, not skipped
                 self._open_sharded(path)
             elif (path / SINGLE_FILE).is_file():
                 self._add(safe_open(path / SINGLE_FILE))
@@ -589,18 +671,18 @@ class Checkpoint:
 
     def _open_sharded(self, model_dir: Path) -> None:
         index_path = model_dir / INDEX_FILE
-        try:
-            index = json.loads(index_path.read_text(encoding="utf-8"),
-                               object_pairs_hook=_reject_duplicates)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise SafetensorsError(f"{index_path}: not a valid JSON index ({e})") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise SafetensorsError(f"{index_path}: needs a 'weight_map' object of name -> shard")
-        shards = {shard: _shard_path(model_dir, shard) for shard in weight_map.values()}
-        for shard, shard_path in sorted(shards.items()):
-            if not shard_path.is_file():
+        weight_map = _read_index(index_path)
+        names = set(weight_map.values())
+        if len(names) > MAX_INDEX_SHARDS:
+            raise SafetensorsError(f"{index_path}: the weight_map names {len(names):,} shards; "
+                                   f"the limit is {MAX_INDEX_SHARDS:,}")
+        shards = {shard: _shard_path(model_dir, shard) for shard in sorted(names)}
+        for shard, shard_path in shards.items():   # all checked before any is opened
+            if not _exists(shard_path):
                 raise SafetensorsError(f"{index_path}: shard {shard!r} does not exist")
+            if not shard_path.is_file():   # a FIFO would block the open below; a device never ends
+                raise SafetensorsError(f"{index_path}: shard {shard!r} is not a regular file")
+        for shard_path in shards.values():
             self._add(safe_open(shard_path))
         for name, shard in weight_map.items():
             if name not in self._owner or self._owner[name].path.name != shard:

@@ -14,7 +14,11 @@ whatever the caller adds (e.g. date_string for Llama 3).
 
 A template is untrusted code from the internet, so it runs with bounded time, memory and output
 (engine/text/template_sandbox.py); whatever goes wrong, from a syntax error to a template that would loop
-for an hour, ends in a ChatTemplateError within about a second.
+for an hour, ends in a ChatTemplateError within about a second. Compiling is bounded the same way: a
+size limit, then limits on Jinja tokens and nesting checked before the costly steps run, so the worst
+template that compiles takes well under a second, and a larger one is refused in a fraction of that.
+The tokenizer compiles a model directory's template when it loads (check_template), so a bad template
+is found then, not at the first request; its error is raised again by every render.
 """
 from __future__ import annotations
 
@@ -28,17 +32,20 @@ import jinja2.ext
 from engine.text.template_sandbox import (
     BudgetedEnvironment,
     RenderBudget,
+    TemplateBudgetError,
     active_budget,
     budget_scope,
     check_percent_format,
     weight,
 )
 
-__all__ = ["ChatTemplateError", "render_chat_template", "validate_messages", "ROLES"]
+__all__ = ["ChatTemplateError", "render_chat_template", "validate_messages", "check_template", "ROLES"]
 
 ROLES = ("system", "user", "assistant", "tool", "ipython")
 RENDER_SECONDS = 0.5                 # template execution; real templates take a few ms
-MAX_TEMPLATE_CHARS = 1 << 20         # real templates are a few kB; Llama 3.1's is 5 kB
+# Real templates are 1-20 kB (Llama 3.1's is 5 kB, Qwen3's 4 kB); 256 KiB is ten times the largest, and
+# a first, free bound on compiling (the token limit in template_sandbox.py is the one that bounds its cost)
+MAX_TEMPLATE_CHARS = 256 << 10
 BASE_SIZE_LIMIT = 1 << 20            # any value or the output: 1 MiB + 4x the conversation's size
 
 
@@ -119,25 +126,47 @@ class _Namespace(jinja2.utils.Namespace):
 
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per template string (the chat loop renders the same template every turn)."""
+    compiled = _compiled_or_error(source)
+    if isinstance(compiled, ChatTemplateError):
+        raise ChatTemplateError(*compiled.args)
+    return compiled
+
+
+def check_template(source: str) -> ChatTemplateError | None:
+    """Compile now (when a tokenizer loads its model's template); the refusal is returned, not raised,
+    and every later render of this template raises it."""
+    compiled = _compiled_or_error(source)
+    return compiled if isinstance(compiled, ChatTemplateError) else None
+
+
+def _compiled_or_error(source: str) -> jinja2.Template | ChatTemplateError:
     if not isinstance(source, str):
-        raise ChatTemplateError(f"chat template must be a string, got {type(source).__name__}")
+        return ChatTemplateError(f"chat template must be a string, got {type(source).__name__}")
+    if len(source) > MAX_TEMPLATE_CHARS:   # checked before the cache, which would keep the string
+        return ChatTemplateError(f"chat template is {len(source):,} characters; "
+                                 f"the limit is {MAX_TEMPLATE_CHARS:,}")
     return _compile(source)
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(source: str) -> jinja2.Template:
-    if len(source) > MAX_TEMPLATE_CHARS:
-        raise ChatTemplateError(f"chat template is {len(source):,} characters; the limit is {MAX_TEMPLATE_CHARS:,}")
+def _compile(source: str) -> jinja2.Template | ChatTemplateError:
+    """The compiled template, or the error refusing it (kept too: a refused template is not compiled again)."""
     env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.add_filter("tojson", _tojson)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_TemplateDict(), namespace=_Namespace)
     try:
         return env.from_string(env.parse_checked(source))
+    except TemplateBudgetError as e:   # past a compile limit: refused before the costly steps
+        return ChatTemplateError(str(e))   # "chat template has more than ... (the limit; line N)"
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from None
+        return ChatTemplateError(f"chat template does not compile (line {e.lineno}): {e.message}")
     except (RecursionError, MemoryError) as e:   # (((((...))))) nested past what the parser can hold
-        raise ChatTemplateError(f"chat template does not compile: {type(e).__name__}") from None
+        return ChatTemplateError(f"chat template does not compile: {type(e).__name__}")
+    except SyntaxError as e:   # Python refused the generated code (nesting past its own limits)
+        return ChatTemplateError(f"chat template does not compile: the generated code is nested too deep ({e.msg})")
+    except Exception as e:     # the template is untrusted input: any other failure of Jinja is a refusal too
+        return ChatTemplateError(f"chat template does not compile: {type(e).__name__}: {e}")
 
 
 def render_chat_template(template: str, messages, add_generation_prompt: bool = True, tools=None, documents=None,

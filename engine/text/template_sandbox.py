@@ -16,8 +16,12 @@ runs under a `RenderBudget`:
   same limit.
 
 `include`, `import` and `extends` are refused at compile time (a chat template is one string), and
-`lipsum` is gone. Any breach raises `TemplateBudgetError`; chat_template.py turns every failure
-into a `ChatTemplateError`.
+`lipsum` is gone. Compiling is bounded too: before Jinja parses a template, its tokens are counted
+(and the nesting of its brackets measured) by the lexer alone, and before the parsed tree becomes
+Python code, the tree's depth and the nesting of its blocks are measured; a template past any of
+these limits is refused before the next, costlier step (parser, code generator, Python's compile)
+runs. Any breach raises `TemplateBudgetError`; chat_template.py turns every failure into a
+`ChatTemplateError`.
 """
 from __future__ import annotations
 
@@ -34,10 +38,23 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["TemplateBudgetError", "RenderBudget", "BudgetedEnvironment", "weight", "MAX_INT_BITS", "MAX_RANGE"]
+__all__ = ["TemplateBudgetError", "RenderBudget", "BudgetedEnvironment", "weight", "MAX_INT_BITS", "MAX_RANGE",
+           "MAX_TEMPLATE_TOKENS", "MAX_BRACKET_DEPTH", "MAX_TREE_DEPTH", "MAX_BLOCK_DEPTH"]
 
 MAX_INT_BITS = 8192          # integers beyond ~2,500 digits never appear in a prompt
 MAX_RANGE = 100_000          # items in one range(); nested loops are bounded by the deadline
+# Compile-time limits. Real templates (Llama 3.x, Qwen 2.5/3, SmolLM2: 0.4-4 kB) have at most ~1,000
+# Jinja tokens, brackets nested 3 deep, a parse tree 19 deep and blocks nested 5 deep; a 20 kB
+# template has ~5,000 tokens. Compiling costs up to ~30 us and ~4 kB per token (lexer, parser, code
+# generator and Python's compile), so the worst template under the token limit compiles in about half a
+# second; one past it is refused by the lexer alone, after reading the first MAX_TEMPLATE_TOKENS tokens.
+MAX_TEMPLATE_TOKENS = 16_384
+MAX_BRACKET_DEPTH = 32       # ( [ { nested; each level is a dozen frames of Jinja's recursive parser
+MAX_TREE_DEPTH = 64          # parse tree depth: Python's compiler refuses code nested ~200 deep
+MAX_BLOCK_DEPTH = 16         # for/if/macro/... nested: Python allows 20 nested loops, 100 indentation levels
+_BLOCK_NODES = (nodes.For, nodes.If, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With,
+                nodes.AssignBlock, nodes.Block, nodes.ScopedEvalContextModifier)
+_OPEN_BRACKETS, _CLOSE_BRACKETS = frozenset("([{"), frozenset(")]}")
 _FORBIDDEN_NODES = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
 _FORBIDDEN_METHODS = {"translate", "maketrans"}   # one character -> any string: output = input x table
 
@@ -305,13 +322,54 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         self.filters[name] = _budgeted_filter(name, function)
 
     def parse_checked(self, source: str):
-        """Parse, refusing the tags that would load other templates."""
+        """Parse, refusing the tags that would load other templates and templates past the compile limits
+        (TemplateBudgetError naming the limit); the token count is checked before the parser runs."""
+        self._check_tokens(source)
         ast = self.parse(source)
+        self._check_tree(ast)
         for node in ast.find_all(_FORBIDDEN_NODES):
             tag = type(node).__name__.lower().replace("fromimport", "from ... import")
             raise jinja2.exceptions.TemplateSyntaxError(
                 f"'{tag}' is not allowed: a chat template must be a single self-contained template", node.lineno)
         return ast
+
+    def _check_tokens(self, source: str) -> None:
+        """The lexer alone (linear in the source): stops at the first token past a limit."""
+        count = depth = 0
+        for lineno, kind, value in self.lex(source):
+            count += 1
+            if count > MAX_TEMPLATE_TOKENS:
+                raise TemplateBudgetError(f"chat template has more than {MAX_TEMPLATE_TOKENS:,} Jinja tokens "
+                                          f"(the limit; line {lineno})")
+            if kind == "operator":
+                if value in _OPEN_BRACKETS:
+                    depth += 1
+                    if depth > MAX_BRACKET_DEPTH:
+                        raise TemplateBudgetError(f"chat template nests brackets more than {MAX_BRACKET_DEPTH} "
+                                                  f"deep (the limit; line {lineno})")
+                elif value in _CLOSE_BRACKETS:
+                    depth = max(depth - 1, 0)   # unbalanced brackets are the parser's error
+
+    @staticmethod
+    def _check_tree(ast: nodes.Template) -> None:
+        """Depth of the parse tree and nesting of blocks, walked without recursion."""
+        stack: list[tuple[nodes.Node, int, int]] = [(ast, 1, 0)]
+        while stack:
+            node, depth, blocks = stack.pop()
+            if depth > MAX_TREE_DEPTH:
+                raise TemplateBudgetError(f"chat template's parse tree is more than {MAX_TREE_DEPTH} deep "
+                                          f"(the limit; line {node.lineno})")
+            if isinstance(node, _BLOCK_NODES):
+                blocks += 1
+                if blocks > MAX_BLOCK_DEPTH:
+                    raise TemplateBudgetError(f"chat template nests blocks (for, if, macro, ...) more than "
+                                              f"{MAX_BLOCK_DEPTH} deep (the limit; line {node.lineno})")
+            elifs = {id(e) for e in node.elif_} if isinstance(node, nodes.If) else set()
+            for child in node.iter_child_nodes():
+                if id(child) in elifs:   # elif: the same level as its if, as in the generated Python
+                    stack.append((child, depth, blocks - 1))
+                else:
+                    stack.append((child, depth + 1, blocks))
 
     # called from the compiled template code
     def tick(self) -> None:

@@ -595,6 +595,9 @@ class Tokenizer:
             except ValueError:
                 pass   # kept as found: a malformed field fails apply_chat_template, never encode/decode
         self.chat_template = chat_template
+        if isinstance(chat_template, str):   # compiled (and checked) now; a refusal fails apply_chat_template
+            from engine.text.chat_template import check_template
+            check_template(chat_template)
 
     @staticmethod
     def _check_supported(spec: dict) -> None:
