@@ -101,7 +101,8 @@ def test_static_batching_ignores_clients():
 
 def simulate_clients(setup, clients: int):
     """A synchronous run where each request names one of `clients`: outputs as alone, every page back,
-    and after each step with every seat taken, no waiting client two seats short of the heaviest."""
+    and whenever a step ends with every seat taken and a waiting client two seats short of the
+    heaviest (a newcomer the step's token budget left out), the next step preempts."""
     pool = setup["allocator"]
     sched = Scheduler(pool, setup["max_seqs"], setup["max_batch_tokens"], setup["max_context"],
                       eos_token_ids=[EOS], policy="continuous", admission=setup["admission"],
@@ -109,28 +110,29 @@ def simulate_clients(setup, clients: int):
     rng = random.Random(setup["seed"])
     arrivals = sorted(((t, [rng.randrange(1, VOCAB) for _ in range(n)], params(new, ign))
                        for t, n, new, ign in setup["requests"]), key=lambda a: a[0])
-    prompts, results, t = {}, {}, 0
+    prompts, results, t, owed = {}, {}, 0, False
     while arrivals or sched.has_unfinished():
-        while arrivals and arrivals[0][0] <= t:
+        results.update((r.request_id, r) for r in sched.pop_finished())
+        t += 1
+        if not sched.has_unfinished():
+            owed = False
+        else:
+            _, out = step(sched)
+            pool.check_invariants()
+            results.update((r.request_id, r) for r in out.finished)
+            assert not owed or out.preempted, "a client two seats short was not given a seat"
+            snap = sched.snapshot()
+            held = seats(sched)
+            owed = bool(snap["waiting"]) and len(snap["running"]) == setup["max_seqs"] and \
+                any(held.get(sched._requests[rid].client, 0) < max(held.values()) - 1 for rid in snap["waiting"])
+        while arrivals and arrivals[0][0] <= t:     # (after the check: a newcomer is owed nothing yet)
             _, prompt, p = arrivals.pop(0)
             try:
                 prompts[sched.submit(prompt, p, client=rng.randrange(clients))] = (prompt, p)
             except ValueError:
                 pass
-        results.update((r.request_id, r) for r in sched.pop_finished())
-        t += 1
-        if not sched.has_unfinished():
-            continue
-        _, out = step(sched)
-        pool.check_invariants()
-        results.update((r.request_id, r) for r in out.finished)
-        snap = sched.snapshot()
-        if snap["waiting"] and len(snap["running"]) == setup["max_seqs"] and sched.chunked_prefill:
-            held = seats(sched)
-            heaviest = max(held.values())
-            for rid in snap["waiting"]:
-                assert held.get(sched._requests[rid].client, 0) >= heaviest - 1
         assert t < 10_000, "no progress"
+    results.update((r.request_id, r) for r in sched.pop_finished())    # max_new_tokens=0: at submit
     for rid, (prompt, p) in prompts.items():
         assert (results[rid].token_ids, results[rid].finish_reason) == run_alone(prompt, p, setup["max_context"])
     assert pool.num_free == pool.num_pages

@@ -54,9 +54,25 @@ class RemoteLLM:
         # before the child starts: a bad file fails here
         self.vocab_size = load_config(model_dir).vocab_size
         self.tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self._start_args = (str(model_dir), backend, llm_kwargs)
+        self.hub = HandleHub()                     # what RequestHandles wait on (as in EngineLoop)
+        self._handles: dict[int, RequestHandle] = {}
+        self._ids = itertools.count()              # numbering goes on across restarts
+        self._send_lock = threading.Lock()
+        self._stats_cv = threading.Condition()
+        self._stats_tickets = itertools.count(1)
+        self._stats: dict[int, dict | None] = {}   # ticket -> its answer (None while still awaited)
+        self._closed = False                       # close() was called: for good
+        self._gone = True                          # no engine process answers (not started, or died)
+        self.exit_reason: str | None = None        # how the last engine process ended, once it has
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        """Start an engine process and its receiver thread; returns once the model is loaded."""
         ctx = multiprocessing.get_context("spawn")      # a fresh interpreter: no CUDA state is inherited
         self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=_engine_main, args=(child_conn, str(model_dir), backend, llm_kwargs),
+        self._process = ctx.Process(target=_engine_main, args=(child_conn, *self._start_args),
                                     name="engine-process", daemon=True)
         self._process.start()
         child_conn.close()
@@ -66,16 +82,27 @@ class RemoteLLM:
             self._stop_process(timeout=0)
             raise
         self.description, self.max_seqs, self.max_context = info["backend"], info["max_seqs"], info["max_context"]
-        self.hub = HandleHub()                     # what RequestHandles wait on (as in EngineLoop)
-        self._handles: dict[int, RequestHandle] = {}
-        self._ids = itertools.count()
-        self._send_lock = threading.Lock()
-        self._stats_cv = threading.Condition()
-        self._stats_tickets = itertools.count(1)
-        self._stats: dict[int, dict | None] = {}   # ticket -> its answer (None while still awaited)
-        self._closed = False
+        with self._send_lock:
+            self._gone = False
         self._receiver = threading.Thread(target=self._receive, name="engine-process-receiver", daemon=True)
         self._receiver.start()
+
+    @property
+    def alive(self) -> bool:
+        """An engine process is up and answering (False once it died, until restart())."""
+        return not self._gone and not self._closed
+
+    def restart(self) -> None:
+        """Start a new engine process after the last one died (its requests have failed already).
+        Blocks while the model loads; EngineProcessError (or the model's ValueError) if it cannot."""
+        if self._closed:
+            raise RuntimeError("this engine was closed")
+        if self.alive:
+            return
+        self._receiver.join(timeout=10)
+        self._stop_process(timeout=0)            # reap it: no zombie
+        self._start()
+        self.restarts += 1
 
     def _wait_ready(self) -> dict:
         if not self._conn.poll(START_TIMEOUT_S):
@@ -100,6 +127,8 @@ class RemoteLLM:
         with self._send_lock:
             if self._closed:
                 raise RuntimeError("this engine was closed")
+            if self._gone:
+                raise EngineProcessError(f"the engine process is not running ({self.exit_reason or 'starting'})")
             try:
                 self._conn.send(message)
             except OSError as exc:
@@ -142,7 +171,7 @@ class RemoteLLM:
         try:
             self._send(("stats", ticket))
             with self._stats_cv:
-                if not self._stats_cv.wait_for(lambda: self._stats[ticket] is not None or self._closed, timeout):
+                if not self._stats_cv.wait_for(lambda: self._stats[ticket] is not None or self._gone, timeout):
                     raise TimeoutError(f"the engine process did not answer within {timeout} s")
                 answer = self._stats[ticket]
                 if answer is None:
@@ -204,11 +233,16 @@ class RemoteLLM:
         except (EOFError, OSError):
             pass
         finally:                       # the engine process ended: nothing more will come
-            self._fail_all(EngineProcessError("the engine process exited"))
+            with self._send_lock:
+                self._gone = True
+            self._process.join(timeout=5)        # reap it at once: no zombie
+            code = self._process.exitcode
+            self.exit_reason = "stopped" if self._closed else \
+                f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            self._fail_all(EngineProcessError(f"the engine process ended ({self.exit_reason})"))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._stats_cv:
-            self._closed = True
             self._stats_cv.notify_all()
         with self.hub.publish():
             for handle in self._handles.values():

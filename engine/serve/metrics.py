@@ -23,9 +23,15 @@ def timeline(request: dict, now: float) -> list[list]:
     return [[state, round(at - now, 3)] for state, at in request["timeline"]]
 
 
+def server_state() -> dict:
+    """What a server adds to the engine's stats (OpenAIServer.state): no server, nothing to add."""
+    return {"engine": "ok", "restarts": 0, "admission": {"requests": 0, "clients": 0, "refused": 0}}
+
+
 class Monitor:
-    def __init__(self, llm, model_name: str):
-        self.llm, self.model_name = llm, model_name
+    def __init__(self, llm, model_name: str, state=server_state):
+        """state(): the server's side of the picture (the engine process's state, admission counts)."""
+        self.llm, self.model_name, self.state = llm, model_name, state
         self._lock = threading.Lock()
         self.stats: dict = {}
         self.sample()
@@ -43,8 +49,10 @@ class Monitor:
         now, ttft = s["now"], s["time_to_first_token"]
         p50, p99 = quantile(ttft, 0.5), quantile(ttft, 0.99)      # None without any request yet
         recent = [r for r in s["requests"] if r["finished"] is None or r["finished"] >= now - TIMELINE_S]
+        server = self.state()
         return {
             "time": time.time(), "model": self.model_name,
+            "engine": server["engine"], "restarts": server["restarts"], "admission": server["admission"],
             "running": s["running"], "waiting": s["waiting"],
             "pages_total": s["pages_total"], "pages_used": s["pages_used"], "page_size": s["page_size"],
             "pages_cached": s["pages_cached"], "pages_shared": s["pages_shared"],
@@ -67,6 +75,16 @@ class Monitor:
         def metric(name, kind, help_, value):
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"])
 
+        server = self.state()
+        metric("engine_up", "gauge", "1 while the engine answers, 0 while it is down or restarting.",
+               int(server["engine"] == "ok"))
+        metric("engine_restarts_total", "counter", "Times the server restarted a dead engine process.",
+               server["restarts"])
+        metric("engine_server_requests", "gauge", "Requests the server holds (queued or running).",
+               server["admission"]["requests"])
+        metric("engine_server_clients", "gauge", "Clients with requests in the server.", server["admission"]["clients"])
+        metric("engine_requests_refused_total", "counter", "Requests refused with 429 (queue or client limit).",
+               server["admission"]["refused"])
         metric("engine_requests_running", "gauge", "Requests in the running batch.", s["running"])
         metric("engine_requests_waiting", "gauge", "Requests queued for admission.", s["waiting"])
         metric("engine_kv_pages_used", "gauge", "KV cache pages holding some request's keys and values.",

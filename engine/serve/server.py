@@ -5,7 +5,7 @@
     GET  /v1/models              the one model this process serves
     POST /v1/chat/completions    messages -> the model's chat template -> tokens; "stream": true for SSE
     POST /v1/completions         a text (or token-id) prompt
-    GET  /health                 200 while the server is up
+    GET  /health                 200 while the engine answers, 503 while it is down or restarting
     GET  /metrics                Prometheus text: running, waiting, KV pages, tokens/s, time to first token
     GET  /                       the live dashboard (pages of the KV pool, request timeline, tokens/s)
 
@@ -20,7 +20,16 @@ HTTP side's Python work never competes with the engine loop for one interpreter 
 keeps both in one process (as ServerThread does for tests and notebooks).
 
 Errors are OpenAI's JSON object {"error": {"message", "type", "param", "code"}}: 400 for invalid
-values and prompts that cannot fit, 404 for an unknown model or path, 413 for a body over the limit.
+values and prompts that cannot fit, 401 without a valid API key (when the server has keys), 404 for
+an unknown model or path, 408 for a body that does not arrive in time, 413 for a body over the
+limit, 415 for a form or text body (what a web page may send here cross-origin), 429 (with
+Retry-After) when the queue or the client's share of it is full, 503 while the engine restarts.
+
+Who may ask, and how much: engine/serve/admission.py (API keys, the bounded queue, per-client
+limits); each request names its client to the engine, whose scheduler shares seats fairly among
+clients. The engine process is supervised: when it dies, its requests end at once (an error event
+in a stream, a 503 otherwise), /health and the dashboard say so, and the server starts a new one
+(at most MAX_RESTARTS in RESTART_WINDOW_S, waiting longer after each), then serves again.
 
 Bounded work per request, before anything costly: the body is read up to `max_body_bytes` (a larger
 Content-Length is refused unread); JSON parsing, the chat template and tokenization run in worker
@@ -37,6 +46,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -45,14 +55,17 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.backend import BACKENDS
+from engine.runtime.engine_process import EngineProcessError
 from engine.runtime.sampling_params import SamplingParams
 from engine.serve import protocol as api
+from engine.serve.admission import Admission, Keys, Refused, Unauthorized
 from engine.serve.metrics import Monitor
 
 ParsedRequest = TypeVar("ParsedRequest", bound=api.SamplingRequest)
@@ -62,16 +75,44 @@ DASHBOARD_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css
 logger = logging.getLogger("engine.serve.server")
 SAMPLE_EVERY_S = 0.25     # how often the monitor reads the engine's stats (the dashboard's frame rate)
 MAX_BODY_BYTES = 8 * 2**20   # a 131,072-token prompt is ~1 MB as JSON ids, less as text
+# the Content-Types a page on any site may POST here without a CORS preflight: never JSON requests
+BROWSER_FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+BODY_TIMEOUT_S = 30.0        # a client trickling its body a byte at a time holds a request slot
+SUPERVISE_EVERY_S = 0.2      # how often the server checks that the engine process lives
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 600.0    # more deaths than that in the window: give up (stay down)
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(api.error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+        return JSONResponse(api.error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+def bearer(request: Request) -> str | None:
+    """The key of `Authorization: Bearer KEY`, or of ?key= (the dashboard in a browser)."""
+    header = request.headers.get("authorization", "")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip() or None
+    return request.query_params.get("key") or None
+
+
+class Ticket:
+    """A request's place in the server's admission count, given back exactly once."""
+
+    def __init__(self, admission: Admission, client: str):
+        self.admission, self.client = admission, admission.enter(client)
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.admission.leave(self.client)
 
 
 def sse(data) -> str:
@@ -91,17 +132,28 @@ async def cancel_on_disconnect(request: Request, handle) -> None:
 class OpenAIServer:
     """The routes, bound to one LLM. `app` is the ASGI application."""
 
-    def __init__(self, llm, model_name: str, max_body_bytes: int = MAX_BODY_BYTES, max_tokens: int | None = None):
+    def __init__(self, llm, model_name: str, max_body_bytes: int = MAX_BODY_BYTES, max_tokens: int | None = None,
+                 max_queue: int | None = None, max_queue_per_client: int | None = None,
+                 api_keys=(), metrics_keys=(), body_timeout: float = BODY_TIMEOUT_S):
         """max_tokens: the most tokens one request may ask for (default: the context); a request over it
-        is refused rather than holding a seat's worth of KV pages for an answer nobody waits for."""
+        is refused rather than holding a seat's worth of KV pages for an answer nobody waits for.
+        max_queue: requests held beyond the engine's seats, all clients together (default 4x the seats,
+        at least 256); max_queue_per_client: one client's share of it (default a quarter).
+        api_keys: required on /v1 when given; metrics_keys: read-only keys for the dashboard and /metrics."""
         for name, value in (("max_body_bytes", max_body_bytes), ("max_tokens", max_tokens)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.llm, self.model_name, self.max_body_bytes = llm, model_name, max_body_bytes
         self.max_tokens = llm.max_context if max_tokens is None else max_tokens
+        self.body_timeout = body_timeout
         self.tokenizer = llm.tokenizer
         self.created = int(time.time())
-        self.monitor = Monitor(llm, model_name)
+        queue = max(256, 4 * llm.max_seqs) if max_queue is None else max_queue
+        self.admission = Admission(llm.max_seqs, queue, queue // 4 if max_queue_per_client is None
+                                   else max_queue_per_client)
+        self.keys = Keys(api_keys, metrics_keys)
+        self.engine_state = "ok"        # ok | down | restarting | failed (an engine in its own process)
+        self.monitor = Monitor(llm, model_name, self.state)
         routes = [Route("/v1/models", self.models), Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/health", self.health), Route("/metrics", self.metrics),
@@ -112,14 +164,52 @@ class OpenAIServer:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        sampler = asyncio.create_task(self._sample_forever())
+        tasks = [asyncio.create_task(self._sample_forever())]
+        if hasattr(self.llm, "restart"):          # an engine in a process of its own: watch it
+            tasks.append(asyncio.create_task(self._supervise()))
         try:
             yield
         finally:
-            sampler.cancel()
+            for task in tasks:
+                task.cancel()
+
+    def state(self) -> dict:
+        """The server's side of the dashboard and /metrics."""
+        return {"engine": self.engine_state, "restarts": getattr(self.llm, "restarts", 0),
+                "admission": self.admission.snapshot()}
+
+    async def _supervise(self) -> None:
+        """Restart a dead engine process, waiting 0.5 s, 1 s, 2 s, ... (at most 30 s) before each try; after
+        MAX_RESTARTS deaths in RESTART_WINDOW_S, stay down (a model that crashes at once would loop)."""
+        deaths: list[float] = []
+        while True:
+            await asyncio.sleep(SUPERVISE_EVERY_S)
+            if self.llm.alive:
+                continue
+            self.engine_state = "down"
+            now = time.monotonic()
+            deaths = [t for t in deaths if t > now - RESTART_WINDOW_S] + [now]
+            logger.error("the engine process ended (%s); %d death(s) in the last %d s",
+                         self.llm.exit_reason, len(deaths), RESTART_WINDOW_S)
+            if len(deaths) > MAX_RESTARTS:
+                self.engine_state = "failed"
+                logger.error("not restarting the engine again: restart the server once the cause is fixed")
+                return
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** (len(deaths) - 1)))
+            self.engine_state = "restarting"
+            try:
+                await asyncio.to_thread(self.llm.restart)
+            except Exception as exc:           # counted as one more death at the next check
+                logger.error("the engine did not restart: %s", exc)
+                continue
+            self.engine_state = "ok"
+            logger.warning("the engine process was restarted (%d restart(s) so far)", self.llm.restarts)
 
     async def _sample_forever(self) -> None:
         while True:      # stats() waits for a step boundary: never on the event loop's thread
+            if self.engine_state != "ok":       # the dashboard keeps its last picture, says "down"
+                await asyncio.sleep(SAMPLE_EVERY_S)
+                continue
             try:
                 await asyncio.to_thread(self.monitor.sample)
             except Exception as exc:     # a slow first step (kernels compiling), an engine restarting:
@@ -140,15 +230,21 @@ class OpenAIServer:
         if declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"the request body ({int(declared):,} bytes) is larger than this server's limit "
                                 f"of {limit:,} bytes")
-        chunks, size = [], 0
-        try:
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
                 chunks.append(chunk)
+        try:
+            await asyncio.wait_for(read(), self.body_timeout)
         except ClientDisconnect:      # gone mid-upload: nobody is left to answer (and nothing to log)
             raise ApiError(400, "the client disconnected before the body was read") from None
+        except TimeoutError:
+            raise ApiError(408, f"the request body was not received within {self.body_timeout:g} s") from None
         return b"".join(chunks)
 
     @staticmethod
@@ -162,6 +258,9 @@ class OpenAIServer:
             raise ApiError(400, f"the request body is not valid JSON: {what}") from None
 
     async def _parse(self, request: Request, model: type[ParsedRequest]) -> tuple[ParsedRequest, SamplingParams]:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind in BROWSER_FORM_TYPES:   # what a web page may POST cross-origin without asking: refused
+            raise ApiError(415, f"the request body must be JSON: send Content-Type: application/json, not {kind}")
         data = await asyncio.to_thread(self._json, await self._read_body(request))
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object")
@@ -197,18 +296,31 @@ class OpenAIServer:
                 message = f"the prompt does not fit the context of {self.llm.max_context} tokens ({message})"
             raise ApiError(400, message, getattr(exc, "param", None) or param) from None
 
-    async def _submit(self, prompt_ids: list[int], params, param: str):
+    def _unavailable(self, why: str) -> ApiError:
+        return ApiError(503, f"the engine is {self.engine_state} ({why}); retry shortly", type_="server_error",
+                        code="engine_unavailable", headers={"Retry-After": "2"})
+
+    def _check_engine(self) -> None:
+        if self.engine_state != "ok" or not getattr(self.llm, "alive", True):
+            raise self._unavailable(getattr(self.llm, "exit_reason", None) or "not answering")
+
+    async def _submit(self, prompt_ids: list[int], params, param: str, client: str):
         if len(prompt_ids) >= self.llm.max_context:      # before the ids travel to the engine process
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens: it does not fit the context of "
                                 f"{self.llm.max_context} with room for one new token", param)
+        self._check_engine()
         try:
-            handle = self.llm.submit(prompt_ids, params)
+            handle = self.llm.submit(prompt_ids, params, client=client)
         except ValueError as exc:     # does not fit the context or the KV pool, bad token ids, ...
             raise ApiError(400, str(exc), param) from None
+        except (EngineProcessError, RuntimeError) as exc:     # died (or closed) just now
+            raise self._unavailable(str(exc)) from None
         try:
             await handle.accepted()   # an engine in its own process checks the request there
         except ValueError as exc:
             raise ApiError(400, str(exc), param) from None
+        except EngineProcessError as exc:
+            raise self._unavailable(str(exc)) from None
         except BaseException:         # the client or the server went away while it waited
             handle.cancel()
             raise
@@ -231,13 +343,16 @@ class OpenAIServer:
                     text.append(ev.text)
                     ids.extend(ev.token_ids)
                     reason = ev.finish_reason if ev.finished else reason
+        except EngineProcessError as exc:      # the engine died under it
+            raise self._unavailable(str(exc)) from None
         finally:
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
         return "".join(text), ids, reason
 
-    def _stream(self, request: Request, handle, first: list, piece, last, usage_chunk) -> StreamingResponse:
+    def _stream(self, request: Request, handle, first: list, piece, last, usage_chunk,
+                ticket: Ticket) -> StreamingResponse:
         """SSE: the `first` chunks, one chunk per piece of new text, the finishing chunk, usage, [DONE].
 
         A piece is everything the engine handed over since this stream last woke: one token while the
@@ -268,16 +383,57 @@ class OpenAIServer:
                     yield sse("[DONE]")
             finally:
                 watcher.cancel()
+                ticket.release()
                 if reason is None:       # the client went away (or the engine failed): free the pages
                     handle.cancel()
-        return StreamingResponse(events(), media_type="text/event-stream",
+        # (the background task gives the ticket back if the stream never started: the client left first)
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(ticket.release),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- the OpenAI API ----------------------------------------------------------------------
+    def _client(self, request: Request) -> str:
+        """Who asks (401 when the server has keys and this request has none that fits)."""
+        try:
+            return self.keys.client(bearer(request), request.client.host if request.client else None)
+        except Unauthorized as exc:
+            raise ApiError(401, str(exc), code="invalid_api_key", type_="authentication_error") from None
+
+    def _watcher(self, request: Request) -> None:
+        if not self.keys.may_watch(bearer(request)):
+            raise ApiError(401, "the dashboard and /metrics need an API key or the metrics key "
+                                "(Authorization: Bearer KEY, or ?key=KEY)", code="invalid_api_key",
+                           type_="authentication_error")
+
+    async def _admitted(self, request: Request, serve) -> Response:
+        """Keys, engine, queue limits (401, 503, 429) before any work; then serve(request, client, ticket),
+        the ticket given back when the response ends (a stream gives it back itself)."""
+        client = self._client(request)
+        self._check_engine()
+        try:
+            ticket = Ticket(self.admission, client)
+        except Refused as exc:
+            raise ApiError(429, str(exc), code="rate_limit_exceeded", type_="rate_limit_error",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        try:
+            response = await serve(request, client, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            ticket.release()
+        return response
+
     async def models(self, request: Request) -> Response:
+        self._client(request)
         return JSONResponse({"object": "list", "data": [api.model_card(self.model_name, self.created)]})
 
     async def chat(self, request: Request) -> Response:
+        return await self._admitted(request, self._chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._admitted(request, self._completions)
+
+    async def _chat(self, request: Request, client: str, ticket: Ticket) -> Response:
         body, params = await self._parse(request, api.ChatCompletionRequest)
         tok = self._need_tokenizer()
         try:
@@ -286,7 +442,7 @@ class OpenAIServer:
             raise ApiError(400, str(exc), getattr(exc, "param", "messages")) from None
         prompt_ids = await asyncio.to_thread(
             self._encode, lambda: tok.apply_chat_template(messages, add_generation_prompt=True), "messages")
-        handle = await self._submit(prompt_ids, params, "messages")
+        handle = await self._submit(prompt_ids, params, "messages", client)
         rid, created, n_prompt = api.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
             text, ids, reason = await self._collect(request, handle)
@@ -297,9 +453,10 @@ class OpenAIServer:
             return api.chat_chunk(rid, self.model_name, created, delta, reason, use)
         return self._stream(request, handle, [chunk({"role": "assistant", "content": ""})],
                             lambda text: chunk({"content": text}), lambda reason: chunk({}, reason),
-                            (lambda n: chunk({}, use=api.usage(n_prompt, n))) if body.include_usage else None)
+                            (lambda n: chunk({}, use=api.usage(n_prompt, n))) if body.include_usage else None,
+                            ticket)
 
-    async def completions(self, request: Request) -> Response:
+    async def _completions(self, request: Request, client: str, ticket: Ticket) -> Response:
         body, params = await self._parse(request, api.CompletionRequest)
         try:
             prompt = body.single_prompt()
@@ -310,7 +467,7 @@ class OpenAIServer:
             prompt_ids = await asyncio.to_thread(self._encode, lambda: prompt, "prompt", True)
         else:
             prompt_ids = prompt
-        handle = await self._submit(prompt_ids, params, "prompt")
+        handle = await self._submit(prompt_ids, params, "prompt", client)
         rid, created, n_prompt = api.new_id("cmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
             text, ids, reason = await self._collect(request, handle)
@@ -324,17 +481,25 @@ class OpenAIServer:
             return api.text_completion(rid, self.model_name, created, "", None, api.usage(n_prompt, n),
                                        with_choice=False)
         return self._stream(request, handle, [], chunk, lambda reason: chunk("", reason),
-                            usage_chunk if body.include_usage else None)
+                            usage_chunk if body.include_usage else None, ticket)
 
     # ---- operations --------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.model_name})
+        """200 while the engine answers; 503 naming the state (down, restarting, failed) otherwise."""
+        up = self.engine_state == "ok" and getattr(self.llm, "alive", True)
+        body: dict = {"status": "ok" if up else self.engine_state if self.engine_state != "ok" else "down",
+                "model": self.model_name}
+        if not up:
+            body["reason"] = getattr(self.llm, "exit_reason", None)
+        return JSONResponse(body, status_code=200 if up else 503)
 
     async def metrics(self, request: Request) -> Response:
+        self._watcher(request)
         return PlainTextResponse(self.monitor.prometheus(), media_type="text/plain; version=0.0.4")
 
     # ---- the dashboard -----------------------------------------------------------------------
     async def dashboard_page(self, request: Request) -> Response:
+        self._watcher(request)
         return FileResponse(DASHBOARD_DIR / "index.html", media_type="text/html")
 
     async def dashboard_file(self, request: Request) -> Response:
@@ -345,6 +510,8 @@ class OpenAIServer:
 
     async def dashboard_events(self, request: Request) -> Response:
         """A snapshot every SAMPLE_EVERY_S as SSE, for as long as the page stays open."""
+        self._watcher(request)
+
         async def events():
             while True:
                 yield sse(self.monitor.snapshot())
@@ -353,7 +520,8 @@ class OpenAIServer:
 
 
 def create_app(llm, model_name: str, **limits):
-    """The ASGI app; limits: OpenAIServer's max_body_bytes and max_tokens."""
+    """The ASGI app; limits: OpenAIServer's keyword arguments (max_body_bytes, max_tokens, max_queue,
+    max_queue_per_client, api_keys, metrics_keys, body_timeout)."""
     return OpenAIServer(llm, model_name, **limits).app
 
 
@@ -366,7 +534,8 @@ class ServerThread:
 
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 0, **limits):
         import uvicorn
-        config = uvicorn.Config(create_app(llm, model_name, **limits), host=host, port=port, log_level="warning",
+        self.openai = OpenAIServer(llm, model_name, **limits)
+        config = uvicorn.Config(self.openai.app, host=host, port=port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="engine-serve", daemon=True)
@@ -411,6 +580,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the most tokens one request may ask for (default: the context)")
     ap.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
                     help="the largest request body accepted (413 beyond)")
+    ap.add_argument("--max-queue", type=int, default=None,
+                    help="requests held beyond the engine's seats, all clients together (429 beyond; "
+                         "default 4x --max-seqs, at least 256)")
+    ap.add_argument("--max-queue-per-client", type=int, default=None,
+                    help="one client's share of the queue (default a quarter of it); a client is its API "
+                         "key, or its address without keys")
+    ap.add_argument("--api-key", action="append", default=[],
+                    help="require this key (Authorization: Bearer KEY) on /v1; repeat for several; also read "
+                         "from ENGINE_API_KEYS (comma-separated), which keeps keys out of the process list")
+    ap.add_argument("--metrics-key", action="append", default=[],
+                    help="a read-only key for the dashboard (?key=KEY) and /metrics (API keys open them too)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the engine in the server's own process (default: a process of its own, so "
                          "HTTP and JSON work never holds the engine's interpreter lock)")
@@ -424,10 +604,19 @@ def main(argv=None) -> int:
     import uvicorn
 
     from engine.backend import BackendError
-    from engine.runtime.engine_process import EngineProcessError, RemoteLLM
+    from engine.runtime.engine_process import RemoteLLM
     from engine.runtime.llm import LLM
     if (args.max_tokens is not None and args.max_tokens < 1) or not args.max_body_mib > 0:
         print("error: --max-tokens and --max-body-mib must be positive", file=sys.stderr)
+        return 2
+    if any(v is not None and v < 0 for v in (args.max_queue, args.max_queue_per_client)):
+        print("error: --max-queue and --max-queue-per-client must be >= 0", file=sys.stderr)
+        return 2
+    api_keys = args.api_key + [k.strip() for k in os.environ.get("ENGINE_API_KEYS", "").split(",") if k.strip()]
+    try:
+        Keys(api_keys, args.metrics_key)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         if args.model is None:
@@ -451,7 +640,11 @@ def main(argv=None) -> int:
     print(f"serving {name!r} on {where.rstrip('.')}\n"
           f"  OpenAI API: http://{shown}:{args.port}/v1   dashboard: http://{shown}:{args.port}/", flush=True)
     try:
-        app = create_app(llm, name, max_tokens=args.max_tokens, max_body_bytes=int(args.max_body_mib * 2**20))
+        app = create_app(llm, name, max_tokens=args.max_tokens, max_body_bytes=int(args.max_body_mib * 2**20),
+                         max_queue=args.max_queue, max_queue_per_client=args.max_queue_per_client,
+                         api_keys=api_keys, metrics_keys=args.metrics_key)
+        if api_keys:
+            print(f"  {len(api_keys)} API key(s) required on /v1; the dashboard takes ?key=KEY", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         close = getattr(llm, "close", None)

@@ -95,11 +95,16 @@ function render(s) {
 
 function connect() {
   const status = document.getElementById("connection");
-  const source = new EventSource("/dashboard/events");
+  // a server with API keys: the page's own ?key= goes along (EventSource cannot send headers)
+  const key = new URLSearchParams(location.search).get("key");
+  const source = new EventSource("/dashboard/events" + (key ? "?key=" + encodeURIComponent(key) : ""));
   source.onopen = () => { status.textContent = "live"; status.className = "on"; };
   source.onerror = () => { status.textContent = "reconnecting"; status.className = "off"; };
   source.onmessage = (event) => {
     const snapshot = JSON.parse(event.data);
+    const up = snapshot.engine === "ok";      // the engine process died: say so, keep the last picture
+    status.textContent = up ? "live" : "engine " + snapshot.engine;
+    status.className = up ? "on" : "off";
     recordRate(snapshot);
     render(snapshot);
   };
