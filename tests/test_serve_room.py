@@ -265,3 +265,17 @@ _real_sleep = asyncio.sleep
 
 async def fast_sleep(seconds):
     await _real_sleep(0)
+
+
+@pytest.mark.slow
+def test_the_fair_flood_bench_runs_on_the_cpu(capsys):
+    """The bench scenario end to end (a server with keys, a room, a flood over its client limit)."""
+    from engine.bench import run as bench
+    bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "fair-flood", "--requests", "8",
+                "--room-clients", "2", "--flood-requests", "120", "--min-len", "8", "--max-len", "24",
+                "--max-seqs", "8", "--flood-lead", "0.5"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["scenario"] == "fair-flood" and record["room_requests"] == 8
+    # the server held at most max_seqs + a quarter of its 256-request queue for the flooding key
+    assert record["flood_accepted"] == 8 + 64 and record["flood_refused"] == 120 - 72
+    assert record["room_ttft_p99_ms_alone"] > 0 and record["room_ttft_p99_ms_flooded"] > 0

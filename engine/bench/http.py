@@ -50,16 +50,22 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
-async def stream_all(url: str, prompts, max_tokens) -> tuple[float, list[float], list[int]]:
-    """Send every request at once; (wall seconds, time to first text per request, tokens per request)."""
+async def stream_all(url: str, prompts, max_tokens, key: str | None = None,
+                     refused: list | None = None) -> tuple[float, list[float], list[int]]:
+    """Send every request at once; (wall seconds, time to first text per request, tokens per request).
+    key: the API key to send; refused: a list that collects 429 answers (else they raise)."""
     import httpx
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None, headers=headers) as client:
         async def one(prompt, n):
             body = {"model": "bench", "prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             sent, first, tokens = time.perf_counter(), None, 0
             async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code == 429 and refused is not None:
+                    refused.append(r.headers.get("retry-after"))
+                    return None, 0
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                 async for line in r.aiter_lines():
@@ -78,13 +84,15 @@ async def stream_all(url: str, prompts, max_tokens) -> tuple[float, list[float],
     return seconds, [r[0] for r in results if r[0] is not None], [r[1] for r in results]
 
 
-def client_share(url: str, prompts, max_tokens, start_at: float) -> tuple[float, float, list[float], list[int]]:
+def client_share(url: str, prompts, max_tokens, start_at: float, key: str | None = None
+                 ) -> tuple[float, float, list[float], list[int], int]:
     """One load-generator process: wait until the shared start time, send its share of the requests.
-    (wall-clock start, end, time to first text per request, tokens per request)."""
+    (wall-clock start, end, time to first text per request, tokens per request, requests refused)."""
     time.sleep(max(0.0, start_at - time.time()))
     start = time.time()
-    _, ttft, tokens = asyncio.run(stream_all(url, prompts, max_tokens))
-    return start, time.time(), ttft, tokens
+    refused: list = []
+    _, ttft, tokens = asyncio.run(stream_all(url, prompts, max_tokens, key, refused))
+    return start, time.time(), ttft, tokens, len(refused)
 
 
 def stream_from_processes(url: str, prompts, max_tokens, processes: int) -> tuple[float, list[float], list[int]]:

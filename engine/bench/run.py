@@ -22,6 +22,9 @@ ceiling (copy bandwidth). Scenarios:
   shared-prefix  --requests requests sharing a --system-len-token system prompt, with and without
            prefix caching: output tok/s, prompt tokens computed, time to first token (engine/bench/prefix.py)
   chat-turns     a --turns-turn conversation with and without prefix caching: time to first token per turn
+  fair-flood     --requests streaming requests from --room-clients API keys, alone and again just after
+           one more key sent --flood-requests at once: the room's time to first token p50/p99 in both
+           runs (engine/bench/flood.py)
 
     python -m engine.bench --preset llama-3.2-1b --backend cupy --scenario prefill decode --hf
     python -m engine.bench --backend numpy --scenario decode --prompt-len 128 --new-tokens 128 --hf
@@ -54,7 +57,7 @@ from engine.bench.workload import emit, random_prompt, serve_workload, warm_up_r
 from engine.formats.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
-             "chunked-itl", "shared-prefix", "chat-turns")
+             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood")
 
 
 def device_name(backend) -> str:
@@ -500,6 +503,10 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-prompt-len", type=int, default=256, help="chunked-itl: their prompt length")
     ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
     ap.add_argument("--http-clients", type=int, default=4, help="serve-http: load-generator processes")
+    ap.add_argument("--room-clients", type=int, default=8, help="fair-flood: API keys the room's requests use")
+    ap.add_argument("--flood-requests", type=int, default=1000, help="fair-flood: requests the flooding key sends")
+    ap.add_argument("--flood-lead", type=float, default=1.0,
+                    help="fair-flood: seconds the flood starts before the room")
     prefix.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.hf and not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
@@ -569,6 +576,10 @@ def main(argv=None) -> int:
     if "chat-turns" in args.scenario:
         model = None
         prefix.scenario_chat_turns(args, setup, model_dir, backend, cfg.vocab_size)
+    if "fair-flood" in args.scenario:
+        from engine.bench.flood import scenario_fair_flood
+        model = None
+        scenario_fair_flood(args, setup, model_dir, backend)
     return 0
 
 
