@@ -279,3 +279,16 @@ def test_the_fair_flood_bench_runs_on_the_cpu(capsys):
     # the server held at most max_seqs + a quarter of its 256-request queue for the flooding key
     assert record["flood_accepted"] == 8 + 64 and record["flood_refused"] == 120 - 72
     assert record["room_ttft_p99_ms_alone"] > 0 and record["room_ttft_p99_ms_flooded"] > 0
+
+
+def test_the_chat_client_talks_to_a_keyed_server(server):
+    import io
+
+    from engine.chat.remote import RemoteChat, ServerError
+    from engine.runtime.sampling_params import SamplingParams
+    with pytest.raises(ServerError, match="API key") as refused:
+        RemoteChat(server.url, SamplingParams(max_new_tokens=3), None)
+    assert refused.value.status == 401
+    chat = RemoteChat(server.url, SamplingParams(max_new_tokens=3, temperature=0.0), None, api_key=KEY_B)
+    turn = chat.answer("hi", out=io.StringIO())
+    assert turn.finish_reason in ("stop", "length") and len(chat.conversation.messages) == 2

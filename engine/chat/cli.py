@@ -22,6 +22,7 @@ that cannot fit even alone is refused. No turn ends the chat: its error is print
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine.backend import BACKENDS
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--server", default=None, metavar="URL",
                     help="chat through an OpenAI-compatible server (e.g. http://10.0.0.5:8000) instead")
+    ap.add_argument("--api-key", default=None,
+                    help="with --server: the key a server started with --api-key asks for (or ENGINE_API_KEY)")
     ap.add_argument("--backend", default="auto", choices=BACKENDS)
     ap.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     ap.add_argument("--system", default=None, help="system prompt")
@@ -161,7 +164,8 @@ def main(argv=None) -> int:
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         if args.server is not None:
             from engine.chat.remote import RemoteChat
-            chat: RemoteChat | Chat = RemoteChat(args.server, params, args.system, model=args.model)
+            chat: RemoteChat | Chat = RemoteChat(args.server, params, args.system, model=args.model,
+                                                 api_key=args.api_key or os.environ.get("ENGINE_API_KEY"))
         else:
             if args.model is None:
                 from engine.model.default_model import ensure_default_model

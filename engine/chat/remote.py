@@ -52,7 +52,9 @@ def _error_message(err: urllib.error.HTTPError) -> str:
 class RemoteChat(ConversationFrontEnd):
     """Same interface as engine.chat.local.Chat (answer, reset, system, messages), over HTTP."""
 
-    def __init__(self, url: str, params, system: str | None, model: str | None = None):
+    def __init__(self, url: str, params, system: str | None, model: str | None = None, api_key: str | None = None):
+        """api_key: sent as `Authorization: Bearer KEY` (a server started with --api-key needs one)."""
+        self.api_key = api_key
         self.base = url.rstrip("/")
         if self.base.endswith("/v1"):
             self.base = self.base[:-3]
@@ -66,9 +68,11 @@ class RemoteChat(ConversationFrontEnd):
     # ---- HTTP ----------------------------------------------------------------------------------
     def _open(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode("utf-8")
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream, application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base + path, data=data, method="GET" if body is None else "POST",
-                                         headers={"Content-Type": "application/json",
-                                                  "Accept": "text/event-stream, application/json"})
+                                         headers=headers)
         try:
             return urllib.request.urlopen(request, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as err:
