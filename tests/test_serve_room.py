@@ -292,3 +292,27 @@ def test_the_chat_client_talks_to_a_keyed_server(server):
     chat = RemoteChat(server.url, SamplingParams(max_new_tokens=3, temperature=0.0), None, api_key=KEY_B)
     turn = chat.answer("hi", out=io.StringIO())
     assert turn.finish_reason in ("stop", "length") and len(chat.conversation.messages) == 2
+
+
+def test_a_request_head_that_never_completes_is_closed(llm, monkeypatch):
+    """A slowloris: a connection that sends part of its headers and waits, and one that sends nothing."""
+    import engine.serve.connections as connections
+    monkeypatch.setattr(connections, "HEAD_TIMEOUT_S", 0.5)
+    with ServerThread(llm, MODEL_NAME) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        for first in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b""):
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(first)
+                started = time.monotonic()
+                assert conn.recv(100) == b""          # closed by the server, not by the 10 s timeout
+                assert time.monotonic() - started < 5
+        # an answer that takes longer than the head timeout is not cut
+        gate, answers = hold_the_loop(llm, monkeypatch, after_calls=1), []
+        asker = threading.Thread(target=lambda: answers.append(httpx.post(
+            srv.url + "/v1/completions", timeout=60,
+            json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5, "ignore_eos": True})))
+        asker.start()
+        time.sleep(1.5)
+        gate.set()
+        asker.join(timeout=60)
+        assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 5

@@ -31,11 +31,13 @@ clients. The engine process is supervised: when it dies, its requests end at onc
 in a stream, a 503 otherwise), /health and the dashboard say so, and the server starts a new one
 (at most MAX_RESTARTS in RESTART_WINDOW_S, waiting longer after each), then serves again.
 
-Bounded work per request, before anything costly: the body is read up to `max_body_bytes` (a larger
-Content-Length is refused unread); JSON parsing, the chat template and tokenization run in worker
-threads, never on the event loop (one 5 MB prompt must not freeze every other stream), and encoding
-stops at the context (`encode(..., max_tokens=)`); a token-id prompt and `max_tokens` are checked
-against the context here, before the engine (another process) receives them. /metrics serves the
+Bounded work per request, before anything costly: a connection must send its request head within
+HEAD_TIMEOUT_S (engine/serve/connections.py: a slowloris cannot hold sockets open) and its body
+within BODY_TIMEOUT_S; the body is read up to `max_body_bytes` (a larger Content-Length is refused
+unread); JSON parsing, the chat template and tokenization run in worker threads, never on the event
+loop (one 5 MB prompt must not freeze every other stream), and encoding stops at the context
+(`encode(..., max_tokens=)`); a token-id prompt and `max_tokens` are checked against the context
+here, before the engine (another process) receives them. /metrics serves the
 last sample the background sampler took: it never waits for a step.
 """
 from __future__ import annotations
@@ -66,6 +68,7 @@ from engine.runtime.engine_process import EngineProcessError
 from engine.runtime.sampling_params import SamplingParams
 from engine.serve import protocol as api
 from engine.serve.admission import Admission, Keys, Refused, Unauthorized
+from engine.serve.connections import http_protocol
 from engine.serve.metrics import Monitor
 
 ParsedRequest = TypeVar("ParsedRequest", bound=api.SamplingRequest)
@@ -535,7 +538,7 @@ class ServerThread:
     def __init__(self, llm, model_name: str, host: str = "127.0.0.1", port: int = 0, **limits):
         import uvicorn
         self.openai = OpenAIServer(llm, model_name, **limits)
-        config = uvicorn.Config(self.openai.app, host=host, port=port, log_level="warning",
+        config = uvicorn.Config(self.openai.app, host=host, port=port, log_level="warning", http=http_protocol(),
                                 lifespan="on", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="engine-serve", daemon=True)
@@ -645,7 +648,7 @@ def main(argv=None) -> int:
                          api_keys=api_keys, metrics_keys=args.metrics_key)
         if api_keys:
             print(f"  {len(api_keys)} API key(s) required on /v1; the dashboard takes ?key=KEY", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=http_protocol())
     finally:
         close = getattr(llm, "close", None)
         if close is not None:
