@@ -17,7 +17,7 @@ HEAD_TIMEOUT_S = 15.0
 
 
 def _with_head_timeout(base: type) -> type:
-    class HeadTimeout(base):            # type: ignore[misc, valid-type]
+    class HeadTimeout(base):
         head_timeout = HEAD_TIMEOUT_S
         _head_timer: asyncio.TimerHandle | None = None
 
