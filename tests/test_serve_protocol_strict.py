@@ -39,7 +39,7 @@ def refusal(model: type[api.SamplingRequest], body: dict) -> tuple[str, str]:
             request.plain_messages()
     except ValidationError as exc:
         err = exc.errors()[0]
-        return ".".join(str(p) for p in err["loc"]), err["msg"]
+        return str(api.param_name(err["loc"])), err["msg"]
     except api.ProtocolError as exc:
         return str(exc.param), str(exc)
     pytest.fail(f"accepted: {body}")
@@ -77,10 +77,10 @@ def served(model: type[api.SamplingRequest], body: dict):
     (api.ChatCompletionRequest, chat(presence_penalty="0"), "presence_penalty"),
     (api.ChatCompletionRequest, chat(messages="hi"), "messages"),
     (api.ChatCompletionRequest, chat(messages=[]), "messages"),
-    (api.ChatCompletionRequest, chat(messages=["hi"]), "messages.0"),
-    (api.ChatCompletionRequest, chat(messages=[{"role": 5, "content": "x"}]), "messages.0.role"),
-    (api.ChatCompletionRequest, chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
-    (api.ChatCompletionRequest, chat(messages=[{"role": "user", "content": ["hi"]}]), "messages.0.content"),
+    (api.ChatCompletionRequest, chat(messages=["hi"]), "messages[0]"),
+    (api.ChatCompletionRequest, chat(messages=[{"role": 5, "content": "x"}]), "messages[0].role"),
+    (api.ChatCompletionRequest, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    (api.ChatCompletionRequest, chat(messages=[{"role": "user", "content": ["hi"]}]), "messages[0].content"),
     (api.ChatCompletionRequest, chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
      "messages[0].content"),
     (api.ChatCompletionRequest, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
@@ -236,7 +236,7 @@ def server(tiny_chat_dir):
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
     ("/v1/chat/completions", chat(tool_choice="required"), "tool_choice"),
     ("/v1/chat/completions", chat(presence_penalty=1), "presence_penalty"),
-    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
     ("/v1/completions", completion(prompt=[1.0, 2.0]), "prompt"),
     ("/v1/completions", completion(prompt=[1, 2**40]), "prompt"),
     ("/v1/completions", completion(guided_regex="a+"), "guided_regex"),

@@ -49,6 +49,15 @@ TOP_K_MAX = 2**31 - 1
 _STRICT = ConfigDict(extra="allow", strict=True)
 
 
+def param_name(loc) -> str | None:
+    """A validation error's location as the error's `param`: ("messages", 0, "content") ->
+    "messages[0].content", the way the protocol's own errors name list items."""
+    name = ""
+    for part in loc:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name or None
+
+
 class ProtocolError(ValueError):
     """A request the server understands but cannot serve; becomes a 400 naming `param`."""
 

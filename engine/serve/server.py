@@ -271,7 +271,7 @@ class OpenAIServer:
             body = model.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
+            param = api.param_name(err["loc"])
             raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param) from None
         if body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
