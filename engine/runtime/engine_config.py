@@ -15,6 +15,7 @@ from engine.checks import env_switch
 from engine.formats.config import LlamaConfig, check_serving_args
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.scheduler import ADMISSIONS, Scheduler
+from engine.runtime.speculative import SpeculativeConfig
 
 BATCHING = ("continuous", "static")
 KV_CACHES = ("paged", "contiguous")
@@ -57,6 +58,7 @@ class EngineConfig:
     async_scheduling: bool
     kv_cache_mib: float | None        # None: the runner's default pool size
     prefix_caching: bool = False      # share full KV pages between requests with the same prefix
+    speculative: SpeculativeConfig | None = None   # verify rows of proposed tokens (chapter 16)
     scheduler_cls: type[Scheduler] = Scheduler
     allocator_cls: type[PageAllocator] = PageAllocator
 
@@ -67,7 +69,7 @@ class EngineConfig:
               admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
               cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
               prefix_caching: bool | None = None, scheduler_cls: type[Scheduler] = Scheduler,
-              allocator_cls: type[PageAllocator] = PageAllocator) -> EngineConfig:
+              allocator_cls: type[PageAllocator] = PageAllocator, speculative=None) -> EngineConfig:
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
             if not isinstance(value, str) or value not in choices:
@@ -85,6 +87,9 @@ class EngineConfig:
                              "and a contiguous slot is one page as long as the whole context")
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                            page_size=page_size, kv_cache_mib=kv_cache_mib)
+        spec = SpeculativeConfig.parse(speculative)
+        if spec is not None and (batching != "continuous" or scheduler_cls is not Scheduler):
+            raise ValueError("speculative decoding needs continuous batching and the engine's own Scheduler")
         seqs = int(max_seqs) if max_seqs is not None else (256 if backend.is_gpu else 16)
         budget = int(max_batch_tokens) if max_batch_tokens is not None else (8192 if backend.is_gpu else 2048)
         return cls(batching=batching, kv_cache=kv_cache, admission=admission,
@@ -97,7 +102,7 @@ class EngineConfig:
                    kv_cache_mib=None if kv_cache_mib is None else float(kv_cache_mib),
                    prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler) if prefix_caching is None
                    else prefix_caching,
-                   scheduler_cls=scheduler_cls, allocator_cls=allocator_cls)
+                   scheduler_cls=scheduler_cls, allocator_cls=allocator_cls, speculative=spec)
 
     def new_scheduler(self, num_pages: int, eos_token_ids: set[int], first_request_id: int = 0, *,
                       async_scheduling: bool = False) -> Scheduler:
@@ -115,6 +120,8 @@ class EngineConfig:
             extra["async_scheduling"] = True
         if self.prefix_caching:
             extra["prefix_caching"] = True
+        if self.speculative is not None:
+            extra["speculative"] = self.speculative
         return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
                                   eos_token_ids, policy=self.batching, admission=self.admission,
                                   chunked_prefill=self.chunked_prefill, first_request_id=first_request_id,

@@ -340,29 +340,42 @@ class EngineLoop:
             prompt_len = len(handle.prompt_token_ids)
             handle.prefilled_tokens = prompt_len if row.samples else min(row.end_pos, prompt_len)
         delivered: list[tuple[RequestHandle, int, str | None]] = []   # (handle, token, text: stop strings only)
+        count: dict[int, int] = {}            # tokens per request this step (a verify row yields several)
+        for request_id, _ in out.sampled:
+            count[request_id] = count.get(request_id, 0) + 1
+        final_new = {rid: count.get(rid, 0) for rid in finished}   # this step's tokens of its final event
+        seen: dict[int, int] = {}
         for request_id, token in out.sampled:
             handle = self._handles[request_id]
-            handle.num_generated += 1
+            seen[request_id] = seen.get(request_id, 0) + 1
             if handle.first_token_at is None:
                 handle.first_token_at = t1
                 self._ttft.append(t1 - handle.submitted_at)
-            if request_id in finished:
+            if request_id in finished:        # (the scheduler finished it, or a stop string did just now)
                 continue
+            handle.num_generated += 1
             text = None
             if request_id in self._stops:
                 text = self._stop_text(request_id, [token], final=False)
                 if self._stops[request_id].stopped:     # its text reached a stop string: it ends here
+                    handle.num_generated -= 1           # (counted again below, with the final event's token)
                     result = self.scheduler.cancel(request_id)
                     result.finish_reason = "stop"
+                    later = count[request_id] - seen[request_id]
+                    if later:                           # a verify row's later tokens come after the stop
+                        del result.token_ids[-later:]
                     finished[request_id], final_text[request_id] = result, text
+                    final_new[request_id] = 1
                     continue
             handle.enter("decode", t1)
             delivered.append((handle, token, text))
+        for request_id, n in final_new.items():
+            self._handles[request_id].num_generated += n
         self.tokens_generated += len(out.sampled)
         with self.hub.publish():
             for handle, token, text in delivered:
                 handle.deliver([token], None if text is None else [text])
-        self._finish(list(finished.values()), sampled_now=set(finished), at=t1, final_text=final_text)
+        self._finish(list(finished.values()), sampled_now=final_new, at=t1, final_text=final_text)
 
     def _stop_text(self, request_id: int, tokens: list[int], final: bool) -> str:
         """New text of a request with stop strings: UTF-8 safe, and never past (or into) a stop string."""
@@ -372,11 +385,11 @@ class EngineLoop:
         shown = stop.push(piece)
         return shown + stop.flush() if final else shown
 
-    def _finish(self, results, sampled_now: frozenset[int] | set[int] = frozenset(), at: float | None = None,
+    def _finish(self, results, sampled_now: dict[int, int] | None = None, at: float | None = None,
                 final_text: dict[int, str] | None = None) -> None:
-        """Deliver final events and outputs; requests in `sampled_now` got their last token this step
-        (it goes into the final event); `final_text` holds that event's text where it is known already
-        (a stop string ended the request)."""
+        """Deliver final events and outputs; sampled_now[request id]: how many of its last tokens came
+        this step (they go into the final event: one, or several from a verify row); `final_text` holds
+        that event's text where it is known already (a stop string ended the request)."""
         if not results:
             return
         at = time.monotonic() if at is None else at
@@ -385,7 +398,8 @@ class EngineLoop:
             request_id = result.request_id
             handle = self._handles.pop(request_id)
             self._seeds.pop(request_id, None)
-            new = result.token_ids[-1:] if request_id in sampled_now else []
+            n = (sampled_now or {}).get(request_id, 0)
+            new = result.token_ids[len(result.token_ids) - n:] if n else []
             if request_id in self._stops:    # the matcher saw the whole text, cut at a stop string if one came
                 if final_text and request_id in final_text:
                     text = final_text[request_id]
@@ -427,6 +441,15 @@ class EngineLoop:
                 self._stats_served = self._stats_wanted
                 self._cv.notify_all()
 
+    def _speculative_stats(self, snap: dict) -> dict:
+        """Proposed and accepted guesses; mean tokens a verify row yields (accepted + the model's own)."""
+        spec = self.engine_config.speculative
+        drafted, accepted, rows = snap.get("draft_tokens", 0), snap.get("accepted_tokens", 0), snap.get("verify_rows", 0)
+        return {"enabled": spec is not None, "method": spec.describe() if spec else None,
+                "draft_tokens": drafted, "accepted_tokens": accepted, "verify_rows": rows,
+                "acceptance_rate": accepted / drafted if drafted else 0.0,
+                "mean_accepted_length": (accepted + rows) / rows if rows else 0.0}
+
     def _build_stats(self) -> dict:
         """Plain data: counts, the page map, per-request timelines, time to first token, throughput."""
         snap = self.scheduler.snapshot()
@@ -450,6 +473,7 @@ class EngineLoop:
             "pages_used": snap["used_pages"],
             "pages_cached": len(snap["cached_pages"]),
             "pages_shared": snap["shared_pages"],
+            "speculative": self._speculative_stats(snap),
             "prefix_cache": {"enabled": snap["prefix_caching"], "lookup_tokens": snap["lookup_tokens"],
                              "hit_tokens": snap["hit_tokens"],
                              "hit_rate": snap["hit_tokens"] / snap["lookup_tokens"] if snap["lookup_tokens"] else 0.0},

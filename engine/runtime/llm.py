@@ -38,7 +38,7 @@ class LLM:
                  max_seqs: int | None = None, max_batch_tokens: int | None = None,
                  admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
                  cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
-                 prefix_caching: bool | None = None,
+                 prefix_caching: bool | None = None, speculative: dict | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
         """chunked_prefill: long prompts are prefilled in chunks of the step's token budget, mixed with
         the running requests' decodes (continuous batching; chapter 13). cuda_graphs: replay decode
@@ -49,6 +49,10 @@ class LLM:
         prefix_caching: requests share the KV pages of a common prefix (a system prompt, a chat's
         earlier turns), which are then not computed again (chapter 15; default: on with the paged
         cache and the engine's own Scheduler).
+        speculative: {"method": "ngram", "num_tokens": 4} proposes up to num_tokens next tokens by
+        looking up the request's own last tokens earlier in its prompt and output, and the model checks
+        them in one pass (chapter 16; engine/runtime/speculative.py for the other settings). Outputs
+        follow exactly the model's distribution (greedy: exactly its tokens). Default: off.
         scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
         exercises) runs in place of the engine's, with the same constructor arguments."""
         model_dir = Path(model_dir)
@@ -59,7 +63,8 @@ class LLM:
                                       max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                                       admission=admission, page_size=page_size, chunked_prefill=chunked_prefill,
                                       cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-                                      prefix_caching=prefix_caching, scheduler_cls=scheduler_cls, allocator_cls=allocator_cls)
+                                      prefix_caching=prefix_caching, scheduler_cls=scheduler_cls, allocator_cls=allocator_cls,
+                                      speculative=speculative)
         self.tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
             self.tokenizer = load_tokenizer(model_dir)
@@ -86,6 +91,7 @@ class LLM:
     chunked_prefill = property(lambda self: self.engine_config.chunked_prefill)
     async_scheduling = property(lambda self: self.engine_config.async_scheduling)
     prefix_caching = property(lambda self: self.engine_config.prefix_caching)
+    speculative = property(lambda self: self.engine_config.speculative)
 
     @property
     def handle_hub(self):

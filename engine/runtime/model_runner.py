@@ -14,6 +14,7 @@ anything else, or a step while a learner's stage is plugged in, runs `Model.forw
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.engine_config import EngineConfig
 from engine.runtime.sampling_params import step_uniforms
 from engine.runtime.scheduler import Batch, Row, Scheduler, StepOutput
+from engine.runtime.speculative import verify_step
 
 # What the KV pool may take by default: half of the GPU memory free after the weights are loaded
 # (the rest is for activations, the logits and cuBLAS workspaces), 1 GiB of host memory on the CPU.
@@ -66,16 +68,24 @@ class LaunchedStep:
     started: float                      # time.perf_counter() at launch
     launched_at: float                  # time.monotonic() at launch (the clock of handles' timestamps)
     done: Any = None                    # GPU, no row samples: a cupy.cuda.Event after the step (tokens() waits on it)
+    fed: list[Row] | None = None        # the rows `sampled` holds, in order (None: all of `sampling`)
+    verify: Any = None                  # speculative decoding: () -> the tokens each verify row yields
 
-    def tokens(self, is_live=None) -> list[int]:
-        """The sampled ids, once the step has run. is_live(request_id): only those rows' logits must be
-        finite (async scheduling: the others belong to requests that ended meanwhile)."""
-        if self.sampled is None:
-            if self.done is not None:
-                self.done.synchronize()       # the host never runs more than one step ahead
-            return []
-        checked = None if is_live is None else [is_live(row.request_id) for row in self.sampling]
-        return self.sampled.wait(RowLabels(self.sampling), checked).tolist()
+    def tokens(self, is_live=None) -> list:
+        """The sampled ids, once the step has run: one per sampling row, a list for a verify row.
+        is_live(request_id): only those rows' logits must be finite (async scheduling: the others
+        belong to requests that ended meanwhile)."""
+        fed = self.sampling if self.fed is None else self.fed
+        ids: list = []
+        if self.sampled is not None:
+            checked = None if is_live is None else [is_live(row.request_id) for row in fed]
+            ids = self.sampled.wait(RowLabels(fed), checked).tolist()
+        elif self.done is not None:
+            self.done.synchronize()           # the host never runs more than one step ahead
+        if self.verify is None:
+            return ids
+        verified, plain = iter(self.verify(is_live)), iter(ids)
+        return [next(verified) if row.draft else next(plain) for row in self.sampling]
 
 
 class ModelRunner:
@@ -133,15 +143,23 @@ class ModelRunner:
         logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
         if logits is None:
             logits = self.model.forward(fb, self.cache)
-        sampled = done = None
-        if sampling:
-            uniforms = step_uniforms([seeds[row.request_id] for row in sampling],
-                                     [row.num_generated for row in sampling])
-            sampled = start_sampling(logits, [row.params for row in sampling], uniforms)
+        sampled = done = verify = None
+        fed = sampling
+        if any(row.draft for row in sampling):     # speculative decoding: verify rows read 1 + k positions
+            offsets = np.cumsum([0] + [row.num_logits for row in sampling])[:-1]
+            fed = [row for row in sampling if not row.draft]
+            checks = [(row, int(offset)) for row, offset in zip(sampling, offsets, strict=True) if row.draft]
+            xp = self.backend.xp
+            verify = functools.partial(verify_step, xp, logits, checks, dict(seeds))
+            plain = offsets[[i for i, row in enumerate(sampling) if not row.draft]]
+            logits = logits[plain if xp is np else xp.asarray(plain)]
+        if fed:
+            uniforms = step_uniforms([seeds[row.request_id] for row in fed], [row.num_generated for row in fed])
+            sampled = start_sampling(logits, [row.params for row in fed], uniforms)
         elif self.backend.is_gpu:
             done = self.backend.xp.cuda.Event(disable_timing=True)
             done.record()
-        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done)
+        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done, fed=fed, verify=verify)
 
     def _feedback(self, batch: Batch, previous: LaunchedStep | None):
         """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that
@@ -151,7 +169,7 @@ class ModelRunner:
             return None
         if previous is None or previous.sampled is None:
             raise RuntimeError("a batch with pending tokens needs the samples of the batch in flight")
-        where = {row.request_id: i for i, row in enumerate(previous.sampling)}
+        where = {row.request_id: i for i, row in enumerate(previous.sampling if previous.fed is None else previous.fed)}
         row_of_token = np.repeat(np.arange(len(batch.rows), dtype=np.int32), batch.lengths)[pending]
         src = np.fromiter((where[batch.rows[r].request_id] for r in row_of_token), dtype=np.int32,
                           count=pending.size)

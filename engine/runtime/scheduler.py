@@ -105,6 +105,19 @@ recently freed first). So cached pages are a cache, never a promise: admission c
 and they are evicted before anyone is preempted. A conversation needs nothing else: its next turn
 starts with the same tokens, so it finds its pages by their contents.
 
+Speculative decoding (`speculative=SpeculativeConfig(...)`, chapter 16; engine/runtime/speculative.py).
+A decoding request whose tokens are all known gets a *verify row* instead of a decode row: its one
+token, then up to k guesses from the proposer (row.draft), fed at the next positions through the
+paged cache; the runner reads the logits of all 1 + k positions and applies the acceptance rule.
+complete() takes that row's entry as the list of tokens it yields (the accepted guesses, then the
+model's own token); the request's computed tokens end after the accepted ones (the K/V written for
+rejected guesses sit past it and are overwritten later; no page holding them is ever named, as only
+known tokens' pages are). Guesses are capped so that the request can never pass max_new_tokens, the
+context or its worst case of pages, and dropped rather than preempting anyone. A step speculates only
+while it holds at most `max_batch` decoding requests. With async scheduling a speculating request sits
+out the lookahead: its guesses need its last token, and after a verify row, how many tokens it
+yielded; it runs in the step scheduled once that is known (the rest of the batch still overlaps).
+
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
 flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
 allocator (same free list order, so a retry takes the same pages), progress through the prompts,
@@ -113,7 +126,8 @@ counters and batch id exactly.
 The step log (one StepRecord per completed step, engine/runtime/step_log.py) names the rows: request_ids
 (all) and their start_positions, prefill_ids (prompt, chunk and recompute rows), chunks ([request id,
 start_pos, tokens, samples] of every prefill row that holds only part of its sequence), sampled (how
-many rows sampled), sampled_ids and sampled_tokens (which, and what), tokens and prefill_tokens,
+many rows sampled), sampled_ids and sampled_tokens (which, and what: one entry per token, several for
+a verify row), draft_tokens and accepted_tokens (speculative decoding), tokens and prefill_tokens,
 admitted, preempted, recomputed_tokens, reused_tokens, and the memory and queue figures after the step.
 submit() is allowed at any time; requests submitted while a batch is in flight survive fail().
 
@@ -139,6 +153,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +162,10 @@ import numpy as np
 from engine.checks import is_int
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.prefix_cache import PageKey, PrefixLookup, cached_prefix, page_key, root_key
+from engine.runtime.speculative import NGRAM_WINDOW, SpeculativeConfig, ngram_propose
 from engine.runtime.step_log import StepRecord
+
+Proposer = Callable[[list[int], int], list[int]]    # (a request's last tokens, k) -> up to k guesses
 
 __all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError", "PENDING",
            "KVAllocator", "PageAllocator", "SlotAllocator"]
@@ -178,11 +196,19 @@ class Row:
     samples: bool = True    # False for a chunk that does not reach the end of the prompt
     kind: str = "prefill"   # "prefill" (a prompt, a chunk of one, or a recompute) | "decode"
     copy: tuple[int, int] | None = None   # copy-on-write: copy page src's K/V into dst before the pass
+    # speculative decoding: the proposed tokens fed after the row's one known token (a verify row:
+    # its logits are read at all 1 + len(draft) positions, and it yields 1 .. 1 + len(draft) tokens)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
         """Tokens attended to after this step (cached ones + the new ones)."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the runner reads: 1 for a sampling row, 1 + len(draft) for a verify row."""
+        return (1 + len(self.draft)) if self.samples else 0
 
 
 @dataclass
@@ -262,8 +288,14 @@ class Batch:
 
     @property
     def logits_indices(self) -> np.ndarray:
-        """[S] int32, the token whose logits each sampling row samples from (ForwardBatch.logits_rows)."""
-        return self.last_token_indices[self.sampling_rows].astype(np.int32)
+        """[S] int32, the token whose logits each sampling row samples from (ForwardBatch.logits_rows);
+        a verify row contributes all its positions, in order (its last 1 + len(draft) tokens)."""
+        last = self.last_token_indices[self.sampling_rows]
+        drafts = [len(self.rows[r].draft) for r in self.sampling_rows]
+        if not any(drafts):
+            return last.astype(np.int32)
+        return np.concatenate([np.arange(end - n, end + 1) for end, n in zip(last.tolist(), drafts, strict=True)]
+                              ).astype(np.int32)
 
     @property
     def context_lens(self) -> np.ndarray:
@@ -349,6 +381,7 @@ class _Request:
     chain: list[int] = field(default_factory=list)
     root: Any = None
     client: Any = None      # who sent it (the server's API key or address): seats are shared fairly among clients
+    verifying: bool = False  # async: a verify row of it is in flight (its length is not known until it completes)
     # its last lookup while it waits at the head of the queue: (root, known tokens, pages, their serials)
     lookup: tuple[Any, int, list[int], list[int]] | None = None
 
@@ -428,7 +461,8 @@ class Scheduler:
                  max_context: int, eos_token_ids=(), policy: str = "continuous",
                  admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0,
                  async_scheduling: bool = False, prefix_caching: bool = False, page_key: PageKey = page_key,
-                 prefix_lookup: PrefixLookup = cached_prefix):
+                 prefix_lookup: PrefixLookup = cached_prefix, speculative: SpeculativeConfig | None = None,
+                 proposer: Proposer | None = None):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -461,6 +495,15 @@ class Scheduler:
         self.async_scheduling = bool(async_scheduling)
         self.prefix_caching = prefix_caching
         self.page_key, self.prefix_lookup = page_key, prefix_lookup   # chapter 15: yours may plug in here
+        if speculative is not None and policy != "continuous":
+            raise ValueError("speculative decoding needs the continuous policy (a static group decodes in lockstep)")
+        self.speculative = speculative      # chapter 16: verify rows for decoding requests
+        self.proposer: Proposer = proposer or (
+            (lambda tokens, k: ngram_propose(tokens, k, speculative.ngram_max, speculative.ngram_min))
+            if speculative is not None else (lambda tokens, k: []))
+        self.draft_tokens = 0               # completed steps: tokens proposed, and of those accepted
+        self.accepted_tokens = 0
+        self.verify_rows = 0
         # (page, registration serial) named while forming the current batch: the pages it will write
         self._registered_now: list[tuple[int, int]] = []
 
@@ -560,8 +603,9 @@ class Scheduler:
             size = self.allocator.page_size
             for row in rows:
                 request = self._requests[row.request_id]
-                end = request.num_computed = row.context_len
+                end = request.num_computed = row.context_len     # a verify row: corrected at complete()
                 request.pending += row.samples
+                request.verifying = bool(row.draft)
                 if self.prefix_caching and end >= (len(request.chain) + 1) * size:
                     flight.unnamed.append(row.request_id)   # a full page with a PENDING token: name
             self.allocator.commit()                          # it when this batch completes
@@ -583,16 +627,15 @@ class Scheduler:
 
     def complete(self, batch_id: int, sampled_tokens) -> StepOutput:
         """Accept one sampled token per sampling row (batch.sampling_rows, in row order): commit the
-        step, finish requests. Returns what the step did to each live request (its finished results
-        come back here, not through pop_finished())."""
+        step, finish requests. A verify row's entry is the list of tokens it yields instead: its accepted
+        guesses (a prefix of row.draft), then the model's token. Returns what the step did to each live
+        request (its finished results come back here, not through pop_finished())."""
         flight = self._flight(batch_id, oldest=True)
-        tokens = [operator.index(t) for t in sampled_tokens]
         sampling = [row for row in flight.batch.rows if row.samples]
-        if len(tokens) != len(sampling):
+        if len(sampled_tokens) != len(sampling):
             raise ValueError(f"batch {batch_id} has {len(sampling)} sampling rows, "
-                             f"got {len(tokens)} sampled tokens")
-        if tokens and min(tokens) < 0:
-            raise ValueError(f"sampled token ids must be >= 0, got {min(tokens)}")
+                             f"got {len(sampled_tokens)} sampled tokens")
+        emitted = [self._emitted(row, entry) for row, entry in zip(sampling, sampled_tokens, strict=True)]
         del self._in_flight[batch_id]
         entry = flight.log_entry
         # async: a request that ended while this batch was in flight has no use for its row's token
@@ -608,17 +651,24 @@ class Scheduler:
                     self._register_pages(request, ends[request_id])
         finished: list[Result] = []
         sampled: list[tuple[int, int]] = []
-        for row, token in zip(sampling, tokens, strict=True):
+        drafted = accepted = 0
+        for row, tokens in zip(sampling, emitted, strict=True):
             request = self._requests.get(row.request_id)
             if request is None:
                 continue
             if self.async_scheduling:
                 request.pending -= 1
-            request.generated.append(token)
-            sampled.append((row.request_id, token))
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                finished.append(self._retire(request, reason))
+                request.verifying = False
+            if row.draft:                 # the K/V of rejected guesses are garbage: computed ends before them
+                request.num_computed = row.start_pos + len(tokens)
+                drafted, accepted = drafted + len(row.draft), accepted + len(tokens) - 1
+            for token in tokens:
+                request.generated.append(token)
+                sampled.append((row.request_id, token))
+                reason = self._finish_reason(request, token)
+                if reason is not None:    # (an eos among accepted guesses ends it there)
+                    finished.append(self._retire(request, reason))
+                    break
         self.allocator.commit()
         if discarded:
             self._drop_rows(entry, discarded)
@@ -627,6 +677,11 @@ class Scheduler:
         entry["step"] = self.num_steps             # its index in the log (an aborted batch leaves none)
         entry["finished"] = [result.request_id for result in finished]
         entry["sampled_tokens"] = [token for _, token in sampled]
+        entry["sampled_ids"] = [rid for rid, _ in sampled]
+        entry["draft_tokens"], entry["accepted_tokens"] = drafted, accepted
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verify_rows += sum(1 for row in sampling if row.draft and row.request_id not in discarded)
         self.lookup_tokens += entry["lookup_tokens"]
         self.hit_tokens += entry["reused_tokens"]
         self.num_steps += 1
@@ -638,6 +693,21 @@ class Scheduler:
                 for row in flight.batch.rows if row.request_id not in discarded]
         return StepOutput(flight.batch.batch_id, flight.batch.kind, rows, sampled, finished,
                           list(entry["preempted"]), entry)
+
+    @staticmethod
+    def _emitted(row: Row, entry) -> list[int]:
+        """The tokens one sampling row yields: [token], or a verify row's accepted guesses + one token."""
+        if not row.draft:
+            tokens = [operator.index(entry)]
+        else:
+            tokens = [operator.index(t) for t in entry]
+            m = len(tokens) - 1
+            if not 0 <= m <= len(row.draft) or tokens[:m] != row.draft[:m]:
+                raise ValueError(f"a verify row of request {row.request_id} yields its accepted guesses (a "
+                                 f"prefix of {row.draft}) and one token, got {tokens}")
+        if min(tokens) < 0:
+            raise ValueError(f"sampled token ids must be >= 0, got {min(tokens)}")
+        return tokens
 
     @staticmethod
     def _drop_rows(entry: StepRecord, discarded: set[int]) -> None:
@@ -772,6 +842,9 @@ class Scheduler:
             "shared_pages": self.allocator.num_shared,
             "lookup_tokens": self.lookup_tokens,
             "hit_tokens": self.hit_tokens,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_rows": self.verify_rows,
         }
 
     # ---- internals ---------------------------------------------------------------------------
@@ -793,9 +866,10 @@ class Scheduler:
         prefilling, then newcomers' first chunks, until the step's token budget is spent."""
         decoding = [rid for rid in self._running if self._requests[rid].num_remaining == 1]
         in_step: set[int] = set()
-        rows, preempted = self._advance(decoding, self.max_batch_tokens, in_step)
-        used = len(rows)
-        prefilling = [rid for rid in self._running if rid not in in_step]
+        rows, preempted = self._advance(decoding, self.max_batch_tokens, in_step, self._speculating(decoding))
+        used = sum(len(row.token_ids) for row in rows)       # one each, more for verify rows
+        waiting_decodes = set(decoding) - in_step       # (no row: out of budget, or sitting out a lookahead)
+        prefilling = [rid for rid in self._running if rid not in in_step and rid not in waiting_decodes]
         chunks, more = self._advance(prefilling, self.max_batch_tokens - used, in_step)
         used += sum(len(row.token_ids) for row in chunks)
         return rows + chunks + self._admit(self.max_batch_tokens - used, alone_if_long=False), preempted + more
@@ -985,21 +1059,49 @@ class Scheduler:
 
     def _decode_rows(self) -> tuple[list[Row], list[int]]:
         """Without chunking, when no prefill can run: one new position for every running sequence."""
-        return self._advance(list(self._running), budget=None, in_step=set())
+        return self._advance(list(self._running), budget=None, in_step=set(),
+                             speculate=self._speculating(self._running))
+
+    def _speculating(self, decoding: list[int]) -> bool:
+        """Speculation steps aside when the step holds more than max_batch decoding requests: the step
+        is no longer bound by reading the weights, and k extra positions per row would cost time."""
+        return self.speculative is not None and len(decoding) <= self.speculative.max_batch
+
+    def _draft(self, request: _Request, budget: int | None) -> list[int]:
+        """The proposer's guesses for a decoding request's verify row, as many as may still become
+        tokens (max_new_tokens, the context) and as fit the step's budget and the pool (speculation never
+        preempts anyone)."""
+        k = min(self.speculative.num_tokens if self.speculative else 0,
+                request.max_new_tokens - request.num_sampled - 1, self.max_context - request.num_tokens - 1)
+        if budget is not None:
+            k = min(k, budget - 1)
+        if k < 1:
+            return []
+        n = request.num_known
+        draft = [operator.index(t) for t in self.proposer(self._known_tokens(request, max(0, n - NGRAM_WINDOW), n), k)]
+        if len(draft) > k or (draft and min(draft) < 0):
+            raise SchedulerError(f"the proposer returned {draft!r}: at most {k} token ids")
+        while draft and not self.allocator.can_reserve(request.request_id, request.num_computed + 1 + len(draft)):
+            draft.pop()
+        return draft
 
     def _advance(self, request_ids: list[int], budget: int | None,
-                 in_step: set[int]) -> tuple[list[Row], list[int]]:
+                 in_step: set[int], speculate: bool = False) -> tuple[list[Row], list[int]]:
         """The next tokens of running requests, oldest first, at most `budget` tokens in all (None:
         no limit); `in_step` (updated) holds the requests already given a row in this step. The free
         queue's cached pages are evicted first (reserve() takes them as free pages); when the pool
         still lacks pages, the newest running request without a row is preempted (on-demand
         admission only ever gets there) until the row fits, or the request itself when it is that
-        newest."""
+        newest. With `speculate`, a decoding request whose tokens are all known gets a verify row (its
+        token, then the proposer's guesses)."""
         rows, preempted = [], []
         for rid in request_ids:
             request = self._requests[rid]
-            if request.status != "running" or self._finishes_pending(request):
-                continue      # preempted for an older request of this step; ends with its pending token
+            if request.status != "running" or self._finishes_pending(request) or request.verifying \
+                    or (speculate and request.pending):
+                continue      # preempted for an older request of this step; ends with its pending token;
+                              # its verify row is in flight (how many tokens it yields is not known yet);
+                              # or it speculates and sits out the lookahead until its last token is known
             chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
             if chunk < 1:
                 break
@@ -1013,9 +1115,11 @@ class Scheduler:
                     break
             else:
                 in_step.add(rid)
-                rows.append(self._reserve_row(request, chunk))
+                decoding = chunk == 1 and request.num_remaining == 1 and request.num_sampled and not request.pending
+                draft = self._draft(request, budget) if speculate and decoding else []
+                rows.append(self._reserve_row(request, chunk, draft=draft))
                 if budget is not None:
-                    budget -= chunk
+                    budget -= chunk + len(draft)
         return rows, preempted
 
     def _finishes_pending(self, request: _Request) -> bool:
@@ -1034,11 +1138,13 @@ class Scheduler:
         self.num_preemptions += 1
         self._waiting.appendleft(request_id)   # several in one step: the oldest ends up first
 
-    def _reserve_row(self, request: _Request, chunk: int, copy: tuple[int, int] | None = None) -> Row:
+    def _reserve_row(self, request: _Request, chunk: int, copy: tuple[int, int] | None = None,
+                     draft: list[int] | None = None) -> Row:
         """Reserve memory for the next `chunk` tokens of a request and describe them as a row (`copy`:
-        the copy-on-write its first row after admission needs)."""
+        the copy-on-write its first row after admission needs; `draft`: a verify row's guesses, fed
+        after its one token)."""
         start, end = request.num_computed, request.num_computed + chunk
-        self.allocator.reserve(request.request_id, end)
+        self.allocator.reserve(request.request_id, end + len(draft or ()))
         decode = chunk == 1 and request.num_sampled and end == request.num_tokens
         prompt_len = len(request.prompt_ids)     # slice without building prompt + generated (O(context))
         tokens = request.generated[start - prompt_len:end - prompt_len] if start >= prompt_len \
@@ -1048,10 +1154,10 @@ class Scheduler:
         # inline: it runs for every row of every step, and a page fills once in page_size decodes)
         if self.prefix_caching and end >= (len(request.chain) + 1) * self.allocator.page_size:
             self._register_pages(request, end, self._registered_now)
-        return Row(request.request_id, tokens, start,
+        return Row(request.request_id, tokens + (draft or []), start,
                    self.allocator.page_table(request.request_id), request.params,
                    request.num_sampled, samples=end == request.num_tokens,
-                   kind="decode" if decode else "prefill", copy=copy)
+                   kind="decode" if decode else "prefill", copy=copy, draft=list(draft or ()))
 
     @staticmethod
     def _known_tokens(request: _Request, start: int, end: int) -> list[int]:

@@ -42,8 +42,8 @@ class _StepRecordRequired(TypedDict):
                                 # holds only part of its sequence (a chunk, or what follows a reused prefix)
     rows: int                   # sequences in the batch
     sampled: int                # rows that sampled a token (all but chunks that stop short of the prompt)
-    sampled_ids: list[int]      # their requests, in row order
-    sampled_tokens: list[int]   # the token each of them sampled, in the same order
+    sampled_ids: list[int]      # their requests, in row order, one entry per token (a verify row: several)
+    sampled_tokens: list[int]   # the tokens they yielded, in the same order
     tokens: int                 # tokens fed this step (prompt tokens of prefill rows, 1 per decode row)
     prefill_tokens: int         # of which fed by prefill rows
     context_tokens: int         # tokens attended to after this step, summed over rows
@@ -66,6 +66,8 @@ class _StepRecordRequired(TypedDict):
 
 class StepRecord(_StepRecordRequired, total=False):
     seconds: float              # wall time of the step, added by the model runner
+    draft_tokens: int           # speculative decoding: guesses fed by verify rows (chapter 16)
+    accepted_tokens: int        # of which accepted
     discarded: list[int]        # async scheduling: requests that ended while the batch was in flight
                                 # (their rows ran; the per-request lists above leave them out)
 
