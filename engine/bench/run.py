@@ -22,6 +22,8 @@ ceiling (copy bandwidth). Scenarios:
   shared-prefix  --requests requests sharing a --system-len-token system prompt, with and without
            prefix caching: output tok/s, prompt tokens computed, time to first token (engine/bench/prefix.py)
   chat-turns     a --turns-turn conversation with and without prefix caching: time to first token per turn
+  spec-decode    batch 1, greedy, a prompt whose answer quotes it and a random one: plain decoding and
+           n-gram speculation with each of --spec-k guesses, in the same run (engine/bench/speculative.py)
   fair-flood     --requests streaming requests from --room-clients API keys, alone and again just after
            one more key sent --flood-requests at once: the room's time to first token p50/p99 in both
            runs (engine/bench/flood.py)
@@ -57,7 +59,7 @@ from engine.bench.workload import emit, random_prompt, serve_workload, warm_up_r
 from engine.formats.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
-             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood")
+             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood", "spec-decode")
 
 
 def device_name(backend) -> str:
@@ -273,7 +275,8 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs,
                   async_scheduling=False if "sync" in flags else None,
-                  prefix_caching=False if "nocache" in flags else None)
+                  prefix_caching=False if "nocache" in flags else None,
+                  speculative={"method": "ngram", "num_tokens": 4} if "spec" in flags else None)
         warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs, llm.max_context, llm.max_batch_tokens)
         llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
         if llm.prefix_caching:      # the warm-up's prompts are cut from the workload's: forget them
@@ -297,7 +300,9 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
               "cuda_graphs": llm.decode_graphs.enabled, "graph_replays": llm.decode_graphs.replays,
               "async_scheduling": llm.async_scheduling, "prefix_caching": llm.prefix_caching,
               "prefix_hit_tokens": sum(s["reused_tokens"] for s in log),
-              "discarded_rows": sum(len(s.get("discarded", ())) for s in log)})
+              "discarded_rows": sum(len(s.get("discarded", ())) for s in log),
+              "spec_draft_tokens": sum(s.get("draft_tokens", 0) for s in log),
+              "spec_accepted_tokens": sum(s.get("accepted_tokens", 0) for s in log)})
         del llm
         if backend.is_gpu:
             backend.xp.get_default_memory_pool().free_all_blocks()
@@ -484,8 +489,8 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+paged+nocache",
                                                           "continuous+paged+sync", "continuous+contiguous",
                                                           "static+contiguous"],
-                    help="batching+cache[+sync][+nocache]; +sync: no async scheduling (the host schedules "
-                         "between steps); +nocache: no prefix caching")
+                    help="batching+cache[+sync][+nocache][+spec]; +sync: no async scheduling (the host schedules "
+                         "between steps); +nocache: no prefix caching; +spec: n-gram speculation (k=4)")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     ap.add_argument("--oversub-requests", type=int, default=1024, help="requests of serve-oversubscribed")
@@ -503,6 +508,7 @@ def main(argv=None) -> int:
     ap.add_argument("--itl-prompt-len", type=int, default=256, help="chunked-itl: their prompt length")
     ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
     ap.add_argument("--http-clients", type=int, default=4, help="serve-http: load-generator processes")
+    ap.add_argument("--spec-k", type=int, nargs="+", default=[2, 4, 8], help="spec-decode: guesses per verify row")
     ap.add_argument("--room-clients", type=int, default=8, help="fair-flood: API keys the room's requests use")
     ap.add_argument("--flood-requests", type=int, default=1000, help="fair-flood: requests the flooding key sends")
     ap.add_argument("--flood-lead", type=float, default=1.0,
@@ -576,6 +582,10 @@ def main(argv=None) -> int:
     if "chat-turns" in args.scenario:
         model = None
         prefix.scenario_chat_turns(args, setup, model_dir, backend, cfg.vocab_size)
+    if "spec-decode" in args.scenario:
+        from engine.bench.speculative import scenario_spec_decode
+        model = None
+        scenario_spec_decode(args, setup, model_dir, backend)
     if "fair-flood" in args.scenario:
         from engine.bench.flood import scenario_fair_flood
         model = None

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=None,
                     help="with --server: the key a server started with --api-key asks for (or ENGINE_API_KEY)")
     ap.add_argument("--backend", default="auto", choices=BACKENDS)
+    ap.add_argument("--speculative", default=None, metavar="SPEC",
+                    help="speculative decoding: 'ngram' or 'ngram:K' (K guesses per step, default 4): the "
+                         "model checks guesses looked up in the conversation (chapter 16)")
     ap.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     ap.add_argument("--system", default=None, help="system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=512)
@@ -172,7 +175,9 @@ def main(argv=None) -> int:
                 model_dir = ensure_default_model()
             else:
                 model_dir = args.model
-            chat = Chat(model_dir, args.backend, params, args.system, args.max_context)
+            from engine.runtime.speculative import SpeculativeConfig
+            chat = Chat(model_dir, args.backend, params, args.system, args.max_context,
+                        speculative=SpeculativeConfig.from_cli(args.speculative))
         if args.prompt is not None:
             turn = chat.answer(args.prompt)
             if args.stats:

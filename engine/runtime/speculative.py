@@ -32,6 +32,7 @@ This module holds the settings, the proposer and the acceptance rule (the NumPy 
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +88,26 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         return f"{self.method}, k={self.num_tokens}"
+
+    @classmethod
+    def from_cli(cls, text: str | None) -> dict | None:
+        """A command line's --speculative: "ngram", "ngram:6" (k = 6) or a JSON object; None: off."""
+        if text is None or text in ("", "off", "none"):
+            return None
+        if text.lstrip().startswith("{"):
+            try:
+                value = json.loads(text)
+            except ValueError as exc:
+                raise SpeculativeError(f"--speculative is not valid JSON: {exc}") from None
+        else:
+            method, _, k = text.partition(":")
+            value = {"method": method}
+            if k:
+                if not k.isdigit():
+                    raise SpeculativeError(f"--speculative METHOD:K needs an integer K, got {text!r}")
+                value["num_tokens"] = int(k)
+        cls.parse(value)               # refused here, before a model loads
+        return value
 
 
 # ---- the proposer --------------------------------------------------------------------------------

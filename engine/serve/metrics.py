@@ -61,6 +61,7 @@ class Monitor:
             "requests": [{"id": r["request_id"], "state": r["state"], "timeline": timeline(r, now)} for r in recent],
             "tokens_generated": s["tokens_generated"], "tokens_per_s": round(s["tokens_per_second"], 1),
             "preemptions": s["preemptions"],
+            "speculative": s.get("speculative", {"enabled": False}),
             "ttft_p50_ms": None if p50 is None else round(1e3 * p50, 1),
             "ttft_p99_ms": None if p99 is None else round(1e3 * p99, 1),
         }
@@ -102,6 +103,13 @@ class Monitor:
         metric("engine_tokens_per_second", "gauge", "Tokens generated per second over the last few seconds.",
                f"{s['tokens_per_second']:.3f}")
         metric("engine_preemptions_total", "counter", "Requests preempted to free KV pages.", s["preemptions"])
+        spec = s.get("speculative", {})
+        metric("engine_spec_draft_tokens_total", "counter", "Speculative decoding: tokens proposed to verify rows.",
+               spec.get("draft_tokens", 0))
+        metric("engine_spec_accepted_tokens_total", "counter", "Speculative decoding: proposed tokens accepted.",
+               spec.get("accepted_tokens", 0))
+        metric("engine_spec_verify_rows_total", "counter", "Speculative decoding: verify rows run.",
+               spec.get("verify_rows", 0))
         lines += ["# HELP engine_time_to_first_token_seconds Time from arrival to the first generated token.",
                   "# TYPE engine_time_to_first_token_seconds summary"]
         for q in (0.5, 0.9, 0.99):

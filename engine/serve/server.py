@@ -579,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-mib", type=float, default=None, help="KV pool size (default: what fits)")
     ap.add_argument("--max-seqs", type=int, default=None, help="most sequences in one batch")
     ap.add_argument("--max-context", type=int, default=None, help="tokens one sequence may hold")
+    ap.add_argument("--speculative", default=None, metavar="SPEC",
+                    help="speculative decoding: 'ngram' or 'ngram:K' (chapter 16); steps aside in large batches")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the most tokens one request may ask for (default: the context)")
     ap.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
@@ -627,7 +629,9 @@ def main(argv=None) -> int:
             model_dir = ensure_default_model()
         else:
             model_dir = Path(args.model)
-        options = {"kv_cache_mib": args.kv_cache_mib, "max_seqs": args.max_seqs, "max_context": args.max_context}
+        from engine.runtime.speculative import SpeculativeConfig
+        options = {"kv_cache_mib": args.kv_cache_mib, "max_seqs": args.max_seqs, "max_context": args.max_context,
+                   "speculative": SpeculativeConfig.from_cli(args.speculative)}
         llm: LLM | RemoteLLM
         if args.in_process:
             llm = LLM(model_dir, args.backend, **options)

@@ -88,6 +88,9 @@ function render(s) {
   setText("tps", s.tokens_per_s.toFixed(1));
   setText("ttft", s.ttft_p50_ms === null ? "–" : `${s.ttft_p50_ms} / ${s.ttft_p99_ms} ms`);
   setText("tokens", s.tokens_generated);
+  const spec = s.speculative || {enabled: false};
+  setText("spec", !spec.enabled ? "off" : spec.verify_rows === 0 ? `${spec.method}: no verify row yet`
+    : `${(100 * spec.acceptance_rate).toFixed(0)}% · ${spec.mean_accepted_length.toFixed(2)}`);
   drawPageMap(s);
   drawRate(s.time);
   drawTimeline(s.requests);
