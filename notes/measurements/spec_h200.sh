@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Speculative decoding on the H200 (run from the repository root on the GPU machine). The default model
+# travels in two halves (.gg1/, .gg2/; the gguf wheel in .whl/):
+#   stash   copies the first half to /root/gg/
+#   run     joins the halves, converts the default model, writes the random-weight Llama-3.2-1B, runs
+#           every GPU test, then `engine.bench --scenario spec-decode` on both models (batch 1, greedy,
+#           plain and n-gram k = 2, 4, 8 in the same run) and the 256-request serve workload with and
+#           without speculation (alternating, so that a drift of the machine falls on both alike)
+# Results land in $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 M=/root/l1b
+case ${1:-run} in
+  stash)
+    mkdir -p /root/gg && cp .gg1/part_aa /root/gg/ && ls -la /root/gg ;;
+  run)
+    cat /root/gg/part_aa .gg2/part_ab > /root/gg/model.gguf
+    pip install -q --no-deps --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -1
+    export PYTHONPATH=/tmp/site ENGINE_MODEL_DIR=/root/smollm2
+    python3 -m engine.gguf_convert /root/gg/model.gguf /root/smollm2 2>&1 | tail -1
+    python3 -m engine.random_model llama-3.2-1b $M 2>&1 | tail -1
+    python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -6
+    python3 -m engine.bench --model /root/smollm2 --backend cupy --scenario spec-decode --new-tokens 256 \
+      2>&1 | grep '^{' | tee "$OUT/spec_decode_smollm2.jsonl" | cut -c150-560
+    python3 -m engine.bench --model $M --backend cupy --scenario spec-decode --new-tokens 256 \
+      2>&1 | grep '^{' | tee "$OUT/spec_decode_l1b.jsonl" | cut -c150-560
+    python3 -m engine.bench --model $M --backend cupy --scenario serve --requests 256 --kv-cache-mib 8192 \
+      --serve-modes continuous+paged continuous+paged+spec continuous+paged+spec continuous+paged \
+      2>&1 | grep '^{' | tee "$OUT/serve_spec.jsonl" | cut -c150-420 ;;
+esac
