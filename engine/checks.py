@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import stat
 from typing import TypeGuard
 
 import numpy as np
@@ -35,3 +36,47 @@ def is_int(v) -> TypeGuard[int]:
 def is_real(v) -> TypeGuard[float]:
     """A Python or NumPy real number (integers included), not a bool. (For the type checker: a float.)"""
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+# ---- untrusted files ---------------------------------------------------------------------------
+
+def path_exists(path) -> bool:
+    """Anything at path, a dangling link or a FIFO included (Path.is_file() would skip those silently:
+    what is there is then checked by read_regular_file)."""
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
+
+
+def read_regular_file(path, cap: int, error: type[Exception], what: str = "the file") -> bytes:
+    """The bytes of a regular file of at most `cap` bytes, else `error` naming the path and the problem.
+    Checked with fstat on the opened descriptor (O_NONBLOCK: opening a FIFO does not wait for a
+    writer), so a FIFO, a device (a link to /dev/zero) or a directory is refused before a byte is read,
+    and a file growing meanwhile is cut at cap + 1."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise error(f"{path}: cannot open {what}: {e.strerror or e}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{path}: {what} is not a regular file (a FIFO, device, socket or directory); "
+                        "refusing to read it")
+        if info.st_size > cap:
+            raise error(f"{path}: {what} is {info.st_size:,} bytes; the limit is {cap:,}")
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if size > cap:
+        raise error(f"{path}: {what} grew past the {cap:,}-byte limit while being read")
+    return b"".join(chunks)

@@ -31,7 +31,6 @@ import mmap
 import operator
 import os
 import secrets
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.backend import bf16_to_f32, f32_to_bf16
+from engine.checks import path_exists, read_regular_file
 
 __all__ = [
     "DTYPES", "SafetensorsError", "TensorNotFoundError", "TensorInfo", "SafetensorsFile",
@@ -560,49 +560,9 @@ def save_file(tensors: dict, path, metadata: dict | None = None, dtype: str | No
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def _exists(path: Path) -> bool:
-    """Anything at path, a dangling link or a FIFO included (Path.is_file() would skip those silently)."""
-    try:
-        path.lstat()
-    except OSError:
-        return False
-    return True
-
-
-def _read_index_bytes(index_path: Path) -> bytes:
-    """The bytes of the index: a regular file of at most MAX_INDEX_BYTES. Checked with fstat on the opened
-    descriptor (O_NONBLOCK: opening a FIFO does not wait for a writer), so a FIFO, a device (a link to
-    /dev/zero) or a directory is refused before a byte is read; a file growing meanwhile is cut at cap + 1."""
-    try:
-        fd = os.open(index_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise SafetensorsError(f"{index_path}: cannot open the index: {e.strerror or e}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SafetensorsError(f"{index_path}: the index is not a regular file")
-        if info.st_size > MAX_INDEX_BYTES:
-            raise SafetensorsError(f"{index_path}: the index is {info.st_size:,} bytes; "
-                                   f"the limit is {MAX_INDEX_BYTES:,}")
-        chunks, total = [], 0
-        while total <= MAX_INDEX_BYTES:
-            chunk = os.read(fd, min(1 << 20, MAX_INDEX_BYTES + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as e:
-        raise SafetensorsError(f"{index_path}: cannot read the index: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
-    if total > MAX_INDEX_BYTES:
-        raise SafetensorsError(f"{index_path}: the index grew past the {MAX_INDEX_BYTES:,}-byte limit while read")
-    return b"".join(chunks)
-
-
 def _read_index(index_path: Path) -> dict[str, str]:
     """The weight_map of the index (tensor name -> shard file name), its size and types checked."""
-    raw = _read_index_bytes(index_path)
+    raw = read_regular_file(index_path, MAX_INDEX_BYTES, SafetensorsError, "the index")
     # Every entry needs a ':'. Counting them (in C, no allocation) bounds the entries before json builds
     # them: a 16 MiB file of '"t1":"s",' entries would otherwise cost ~2M Python objects of each kind.
     if raw.count(b":") > MAX_INDEX_ENTRIES + 1024:   # + room for "metadata"
@@ -651,7 +611,7 @@ class Checkpoint:
         try:
             if path.is_file():
                 self._add(safe_open(path))
-            elif _exists(path / INDEX_FILE):   # whatever is there: a FIFO or a device is refused, not skipped
+            elif path_exists(path / INDEX_FILE):   # whatever is there: a FIFO or a device is refused, not skipped
                 self._open_sharded(path)
             elif (path / SINGLE_FILE).is_file():
                 self._add(safe_open(path / SINGLE_FILE))
@@ -678,7 +638,7 @@ class Checkpoint:
                                    f"the limit is {MAX_INDEX_SHARDS:,}")
         shards = {shard: _shard_path(model_dir, shard) for shard in sorted(names)}
         for shard, shard_path in shards.items():   # all checked before any is opened
-            if not _exists(shard_path):
+            if not path_exists(shard_path):
                 raise SafetensorsError(f"{index_path}: shard {shard!r} does not exist")
             if not shard_path.is_file():   # a FIFO would block the open below; a device never ends
                 raise SafetensorsError(f"{index_path}: shard {shard!r} is not a regular file")

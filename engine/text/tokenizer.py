@@ -46,8 +46,6 @@ import codecs
 import functools
 import heapq
 import json
-import os
-import stat
 import threading
 import types
 import unicodedata
@@ -56,6 +54,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import regex
+
+from engine.checks import path_exists, read_regular_file
 
 __all__ = ["Tokenizer", "TokenizerError", "IncrementalDetokenizer", "load_tokenizer", "bytes_to_unicode", "byte_chars",
            "bpe_merge", "use_merge_loop"]
@@ -838,63 +838,24 @@ def load_tokenizer(model_dir) -> Tokenizer:
     """Load from a model directory (tokenizer.json, optional tokenizer_config.json / chat_template.jinja)
     or from a path to a tokenizer.json file."""
     path = Path(model_dir)
-    tokenizer_json = path if _exists(path) and not path.is_dir() else path / "tokenizer.json"
-    if not _exists(tokenizer_json):
+    tokenizer_json = path if path_exists(path) and not path.is_dir() else path / "tokenizer.json"
+    if not path_exists(tokenizer_json):
         raise TokenizerError(f"no tokenizer.json at {path}")
     spec = _read_json(tokenizer_json, MAX_TOKENIZER_BYTES)
     config_path = tokenizer_json.parent / "tokenizer_config.json"
-    config = _read_json(config_path, MAX_CONFIG_BYTES) if _exists(config_path) else None
+    config = _read_json(config_path, MAX_CONFIG_BYTES) if path_exists(config_path) else None
     template_path = tokenizer_json.parent / "chat_template.jinja"  # newer transformers save the template here
     chat_template = None
-    if _exists(template_path):
+    if path_exists(template_path):
         # undecodable bytes stay visible as U+FFFD; the template then fails to compile or renders them
-        chat_template = _read_bounded(template_path, MAX_CONFIG_BYTES).decode("utf-8", errors="replace")
+        raw = read_regular_file(template_path, MAX_CONFIG_BYTES, TokenizerError)
+        chat_template = raw.decode("utf-8", errors="replace")
     return Tokenizer(spec, config, chat_template)
-
-
-def _exists(path: Path) -> bool:
-    """Anything at path (a dangling link included): what is there is then checked by _read_bounded."""
-    try:
-        path.lstat()
-    except OSError:
-        return False
-    return True
-
-
-def _read_bounded(path: Path, cap: int) -> bytes:
-    """The bytes of a regular file of at most `cap` bytes. Checked with fstat on the opened descriptor
-    (O_NONBLOCK: opening a FIFO does not wait for a writer), so a FIFO, a device (a link to /dev/zero)
-    or a directory is refused before a byte is read, and a file growing meanwhile is cut at cap + 1."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise TokenizerError(f"cannot open {path}: {e.strerror or e}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TokenizerError(f"{path} is not a regular file (a FIFO, device, socket or directory); "
-                                 "refusing to read it")
-        if info.st_size > cap:
-            raise TokenizerError(f"{path} has {info.st_size:,} bytes, more than the {cap:,} allowed")
-        chunks, size = [], 0
-        while size <= cap:
-            chunk = os.read(fd, min(1 << 20, cap + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > cap:
-            raise TokenizerError(f"{path} grew past the {cap:,} bytes allowed while being read")
-        return b"".join(chunks)
-    except OSError as e:
-        raise TokenizerError(f"cannot read {path}: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path, cap: int) -> dict:
     try:
-        value = json.loads(_read_bounded(path, cap).decode("utf-8"))
+        value = json.loads(read_regular_file(path, cap, TokenizerError).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TokenizerError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(value, dict):
