@@ -10,6 +10,7 @@
 #           against LLM.generate in the same run)
 # Results land in $OUT.
 set -uo pipefail
+. notes/measurements/default_model.sh
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 M=/root/l1b
 flood() {   # $1: seats
@@ -19,12 +20,9 @@ flood() {   # $1: seats
 }
 case ${1:-run} in
   stash)
-    mkdir -p /root/gg && cp .gg1/part_aa /root/gg/ && ls -la /root/gg ;;
+    stash_first_half ;;
   run)
-    cat /root/gg/part_aa .gg2/part_ab > /root/gg/model.gguf
-    pip install -q --no-deps --target /tmp/site .whl/gguf-*.whl 2>&1 | tail -1
-    export PYTHONPATH=/tmp/site ENGINE_MODEL_DIR=/root/smollm2
-    python3 -m engine.gguf_convert /root/gg/model.gguf /root/smollm2 2>&1 | tail -2
+    join_and_convert
     python3 -m engine.random_model llama-3.2-1b $M 2>&1 | tail -1
     python3 -m engine.env 2>&1 | tee "$OUT/env.txt" | tail -3
     python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -12
