@@ -151,8 +151,10 @@ def test_ngram_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suffi
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "draft", "model": "x"}, "unknown speculative setting"),
-    ({"method": "draft"}, "draft models are not built yet"),
+    ({"method": "draft", "draft": "x"}, "unknown speculative setting"),
+    ({"method": "draft"}, "needs a model directory"),
+    ({"method": "ngram", "model": "x"}, "only it takes one"),
+    ({"method": "draft", "model": 3}, "must be a directory path"),
     ({"method": "ngram", "num_tokens": 0}, "positive int"),
     ({"method": "ngram", "num_tokens": 99}, "at most 16"),
     ({"num_tokens": True}, "positive int"),
@@ -311,6 +313,31 @@ def greedy_pair(model_dir, spec=SPEC, **options):
     return plain, fast
 
 
+def test_a_verify_row_cut_into_decode_rows_computes_the_same_logits(tiny_dir):
+    """The runner feeds a verify row as one-token sequences sharing its page table (decode kernels,
+    decode graphs); they give the logits of the row run as one chunk over the cache."""
+    from engine.model.forward_pass import ForwardBatch
+    from engine.model.kv_cache import KVCache
+    from engine.runtime.model_runner import split_verify_rows
+    from engine.runtime.scheduler import Batch, Row
+    model = engine.load_model(tiny_dir, backend="numpy")
+    cache = KVCache.paged(model.config, 1, page_size=4)
+    prompt, table = list(range(5, 18)), [3, 0, 5, 1, 2]           # 13 cached tokens, pages out of order
+    model.forward(ForwardBatch.single(prompt, 0, table, 4), cache)
+    verify = Row(0, [40, 41, 42, 43], 13, table, engine.SamplingParams(), 1, kind="decode", draft=[41, 42, 43])
+    plain = Row(1, [7], 2, [4], engine.SamplingParams(), 1, kind="decode")
+    model.forward(ForwardBatch.single([9, 8], 0, [4], 4), cache)
+    batch = Batch(0, "decode", [plain, verify], 4)
+    cu, tables = split_verify_rows(batch)
+    assert cu.tolist() == [0, 1, 2, 3, 4, 5] and tables.tolist() == [[4, -1, -1, -1, -1]] + [table] * 4
+    as_chunk = model.forward(ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.page_tables,
+                                          batch.slot_mapping), cache)
+    as_rows = model.forward(ForwardBatch(batch.token_ids, batch.positions, cu, tables, batch.slot_mapping), cache)
+    np.testing.assert_allclose(as_rows, as_chunk, rtol=1e-4, atol=1e-5)
+    alone = model.forward(ForwardBatch.single([40, 41, 42, 43], 13, table, 4), cache)
+    np.testing.assert_allclose(as_rows[1:], alone, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3-mqa-untied"])
 def test_greedy_outputs_are_the_outputs_without_speculation(tmp_path, preset, both_schedulings):
     model_dir = write_random_model(tmp_path / preset, preset, seed=2)
@@ -398,3 +425,117 @@ def test_sampled_outputs_follow_the_models_distribution_and_a_wrong_rule_is_caug
     assert fast.stats()["speculative"]["accepted_tokens"] > 500
     assert same_distribution(want, got)
     assert not same_distribution(want, third_token_counts(fast, n, V, rule=no_residual_rule))
+
+
+def test_the_spec_decode_bench_runs_on_the_cpu(capsys):
+    """The bench scenario end to end on a random tiny model: plain decoding, then n-gram speculation,
+    same run; a random model loops, which the lookup finds, so verify rows yield more than one token."""
+    import json
+
+    from engine.bench import run as bench
+    bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "spec-decode", "--new-tokens", "24",
+                "--spec-k", "3", "--prompt-len", "32"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    runs = {(r["prompt"], r["speculative"]): r for r in records if r.get("scenario") == "spec-decode"}
+    assert set(runs) == {("repeat", "off"), ("plain", "off"), ("repeat", "ngram:3"), ("plain", "ngram:3")}
+    for prompt in ("repeat", "plain"):
+        spec = runs[prompt, "ngram:3"]
+        assert spec["same_tokens_as_plain"] and spec["same_leading_tokens"] == spec["new_tokens"] == 24
+        assert spec["verify_rows"] > 0 and 1.0 <= spec["mean_tokens_per_verify_row"] <= 4.0
+        assert spec["speedup"] > 0 and runs[prompt, "off"]["decode_tok_per_s"] > 0
+
+
+# ---- a draft model as the proposer ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    """A random model whose greedy output wanders (a tied one mostly repeats its last token)."""
+    config = {**PRESETS["tiny"], "tie_word_embeddings": False}
+    return write_random_model(tmp_path_factory.mktemp("untied") / "target", config, seed=1)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    """A different random model of the same vocabulary: its guesses are mostly wrong."""
+    config = {**PRESETS["tiny"], "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 1,
+              "tie_word_embeddings": False}
+    return write_random_model(tmp_path_factory.mktemp("draft") / "draft", config, seed=9)
+
+
+def draft_spec(model_dir, k: int = 4) -> dict:
+    return {"method": "draft", "model": str(model_dir), "num_tokens": k}
+
+
+@pytest.mark.parametrize("draft", ["itself", "another model"])
+def test_a_draft_models_greedy_outputs_are_the_outputs_without_speculation(untied_dir, other_draft_dir, draft,
+                                                                           both_schedulings):
+    draft_dir = untied_dir if draft == "itself" else other_draft_dir
+    plain, fast = greedy_pair(untied_dir, spec=draft_spec(draft_dir), max_seqs=4)
+    prompts = repetitive_prompts(plain.config.vocab_size)
+    p = engine.SamplingParams(max_new_tokens=33, ignore_eos=True)
+    assert [r.token_ids for r in fast.generate(prompts, p)] == [r.token_ids for r in plain.generate(prompts, p)]
+    stats = fast.stats()["speculative"]
+    assert stats["verify_rows"] > 0 and stats["method"] == f"draft, k=4, {draft_dir.name}"
+    if draft == "itself":       # the draft is the target: every guess is the target's own token
+        assert stats["acceptance_rate"] == 1.0
+    else:
+        assert stats["acceptance_rate"] < 0.5
+    proposer = fast.runner.proposer
+    assert proposer.allocator.num_used == 0 and not proposer._seqs     # every request gave its pages back
+
+
+def test_the_draft_proposer_keeps_what_the_target_accepted_and_rewrites_the_rest(untied_dir):
+    """propose_batch against the model's own greedy continuation: after each 'verify' only a prefix
+    of the guesses is kept (a different token follows), and the next guesses are again the model's."""
+    from engine.runtime.draft_model import DraftModelProposer
+    target = engine.LLM(untied_dir, backend="numpy")
+    prompts = repetitive_prompts(target.config.vocab_size, 3)
+    p = engine.SamplingParams(max_new_tokens=40, ignore_eos=True)
+    greedy = [r.token_ids for r in target.generate(prompts, p)]
+    proposer = DraftModelProposer(untied_dir, target.backend, target.config, max_context=256, max_rows=8,
+                                  page_size=4, kv_cache_mib=0.5)
+    rng = np.random.default_rng(3)
+    known = [list(prompt) + out[:1] for prompt, out in zip(prompts, greedy, strict=True)]
+    while min(len(k) - len(prompt) for k, prompt in zip(known, prompts, strict=True)) < 30:
+        items = [(rid, len(k), lambda a, b, k=k: k[a:b], 4) for rid, k in enumerate(known)]
+        for rid, guesses in enumerate(proposer.propose_batch(items)):
+            done = len(known[rid]) - len(prompts[rid])
+            assert guesses == greedy[rid][done:done + 4]
+            keep = int(rng.integers(0, 5))               # accepted guesses, then the target's own token
+            known[rid] += greedy[rid][done:done + keep + 1]
+    for rid in range(len(known)):
+        proposer.release(rid)
+    assert proposer.allocator.num_used == 0
+
+
+def test_a_draft_pool_too_small_for_everyone_evicts_sequences_outside_the_step(tiny_dir):
+    from engine.runtime.draft_model import DraftModelProposer
+    target = engine.load_model(tiny_dir, backend="numpy")
+    proposer = DraftModelProposer(tiny_dir, target.backend, target.config, max_context=256, max_rows=8,
+                                  page_size=4, kv_cache_mib=0.05)
+    pages = proposer.allocator.num_pages
+    prompt = list(range(3, 3 + int(0.6 * 4 * pages) - 3))             # with its guesses, 60% of the pool
+    assert proposer.propose_batch([(0, len(prompt), lambda a, b: prompt[a:b], 4)])
+    assert proposer.propose_batch([(1, len(prompt), lambda a, b: prompt[a:b], 4)])      # takes 0's pages
+    assert proposer.allocator.has_table(1) and not proposer.allocator.has_table(0)
+    too_long = list(range(3, 3 + 4 * pages + 8))
+    assert proposer.propose_batch([(2, len(too_long), lambda a, b: too_long[a:b], 4)]) == [[]]   # no guesses
+
+
+def test_a_draft_of_another_tokenizer_or_a_shorter_context_is_refused(tmp_path, tiny_dir):
+    bigger = write_random_model(tmp_path / "big", {**PRESETS["tiny"], "vocab_size": 500}, seed=1)
+    smaller = write_random_model(tmp_path / "small", {**PRESETS["tiny"], "vocab_size": 300}, seed=1)
+    short = write_random_model(tmp_path / "short", {**PRESETS["tiny"], "max_position_embeddings": 64}, seed=1)
+    for draft, message in ((bigger, "larger than the target's"), (smaller, "no tokenizer.json"),
+                           (short, "reaches 64 positions"), (tmp_path / "missing", "the draft model")):
+        with pytest.raises(SpeculativeError, match=message):
+            engine.LLM(tiny_dir, backend="numpy", max_context=128, speculative=draft_spec(draft))
+    engine.LLM(tiny_dir, backend="numpy", max_context=64, speculative=draft_spec(short))   # fits
+
+
+def test_the_command_line_names_a_draft_model():
+    assert SpeculativeConfig.from_cli("draft:/models/small") == {"method": "draft", "model": "/models/small"}
+    assert SpeculativeConfig.parse(SpeculativeConfig.from_cli("draft:/m")).describe() == "draft, k=4, m"
+    with pytest.raises(SpeculativeError, match="needs a model directory"):
+        SpeculativeConfig.parse(SpeculativeConfig.from_cli("draft"))

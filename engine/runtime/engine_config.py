@@ -105,7 +105,7 @@ class EngineConfig:
                    scheduler_cls=scheduler_cls, allocator_cls=allocator_cls, speculative=spec)
 
     def new_scheduler(self, num_pages: int, eos_token_ids: set[int], first_request_id: int = 0, *,
-                      async_scheduling: bool = False) -> Scheduler:
+                      async_scheduling: bool = False, proposer=None) -> Scheduler:
         """A scheduler over a cache of num_pages pages (contiguous: slots). The finish rule lives in
         the scheduler alone: eos_token_ids are the config's and the tokenizer's (a chat model's end of
         turn)."""
@@ -122,6 +122,8 @@ class EngineConfig:
             extra["prefix_caching"] = True
         if self.speculative is not None:
             extra["speculative"] = self.speculative
+        if proposer is not None:         # a draft model (engine/runtime/draft_model.py)
+            extra["proposer"] = proposer
         return self.scheduler_cls(allocator, self.max_seqs, self.max_batch_tokens, self.max_context,
                                   eos_token_ids, policy=self.batching, admission=self.admission,
                                   chunked_prefill=self.chunked_prefill, first_request_id=first_request_id,

@@ -96,8 +96,10 @@ class EngineLoop:
     def new_scheduler(self, first_request_id: int = 0, *, async_scheduling: bool = False) -> Scheduler:
         """A scheduler over this engine's KV pool (the loop's own, or one that chapters 10-11 drive by
         hand through LLM.step)."""
+        runner = self._runner_ref()
         return self.engine_config.new_scheduler(self._num_pages, self._eos, first_request_id,
-                                                async_scheduling=async_scheduling)
+                                                async_scheduling=async_scheduling,
+                                                proposer=None if runner is None else runner.proposer)
 
     # ---- any thread ----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> list[int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.backend import resolve_backend
 from engine.formats.config import load_config
 from engine.model.forward_pass import Model, check_vocab_fits, load_model
+from engine.runtime.draft_model import check_draft_model
 from engine.runtime.engine_config import EngineConfig
 from engine.runtime.engine_loop import EngineLoop
 from engine.runtime.kv_allocator import PageAllocator
@@ -51,8 +52,10 @@ class LLM:
         cache and the engine's own Scheduler).
         speculative: {"method": "ngram", "num_tokens": 4} proposes up to num_tokens next tokens by
         looking up the request's own last tokens earlier in its prompt and output, and the model checks
-        them in one pass (chapter 16; engine/runtime/speculative.py for the other settings). Outputs
-        follow exactly the model's distribution (greedy: exactly its tokens). Default: off.
+        them in one pass (chapter 16; engine/runtime/speculative.py for the other settings);
+        {"method": "draft", "model": DIR, "num_tokens": 4} has a smaller model of the same tokenizer
+        guess them (engine/runtime/draft_model.py). Outputs follow exactly the model's distribution
+        (greedy: exactly its tokens). Default: off.
         scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
         exercises) runs in place of the engine's, with the same constructor arguments."""
         model_dir = Path(model_dir)
@@ -65,13 +68,15 @@ class LLM:
                                       cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
                                       prefix_caching=prefix_caching, scheduler_cls=scheduler_cls, allocator_cls=allocator_cls,
                                       speculative=speculative)
+        if settings.speculative is not None and settings.speculative.method == "draft":
+            check_draft_model(settings.speculative.model, config, model_dir, settings.max_context)
         self.tokenizer = None
         if (model_dir / "tokenizer.json").is_file():
             self.tokenizer = load_tokenizer(model_dir)
             check_vocab_fits(self.tokenizer, config)
         self.config, self.backend = config, b
         self.model: Model = load_model(model_dir, b, settings.max_context)
-        self.runner = ModelRunner(self.model, settings)
+        self.runner = ModelRunner(self.model, settings, model_dir)
         self.engine_config = self.runner.engine_config     # as the cache left it (contiguous: its slots)
         self.cache, self.decode_graphs = self.runner.cache, self.runner.decode_graphs
         self.last_step_log: list[StepRecord] = []

@@ -26,6 +26,7 @@ from engine.model.forward_pass import ForwardBatch, Model
 from engine.model.kv_cache import KVCache, kv_bytes_per_token
 from engine.ops.sampling import SampledTokens, start_sampling
 from engine.runtime.cuda_graphs import DecodeGraphs
+from engine.runtime.draft_model import DraftModelProposer
 from engine.runtime.engine_config import EngineConfig
 from engine.runtime.sampling_params import step_uniforms
 from engine.runtime.scheduler import Batch, Row, Scheduler, StepOutput
@@ -42,6 +43,32 @@ def default_kv_mib(wanted_mib: float, free_gpu_bytes: int | None) -> float:
     by GPU_KV_FRACTION of the free GPU memory (free_gpu_bytes), or by CPU_KV_MIB on the CPU."""
     cap = CPU_KV_MIB if free_gpu_bytes is None else GPU_KV_FRACTION * free_gpu_bytes / 2**20
     return min(wanted_mib, cap)
+
+
+def decode_rows(ec: EngineConfig) -> int:
+    """The most rows a decode step can have: one per seat, or, speculating, 1 + k for each of the
+    requests a verify step may hold (split_verify_rows)."""
+    spec = ec.speculative
+    if spec is None:
+        return ec.max_seqs
+    return max(ec.max_seqs, min(ec.max_seqs, spec.max_batch) * (1 + spec.num_tokens))
+
+
+def split_verify_rows(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """(cu_seqlens [S + 1], page_tables [S, W]) of the forward pass: the batch's own, except that each
+    verify row (speculative decoding) is cut into one-token sequences that share its page table.
+
+    Why this computes the same thing: token j of a verify row attends to the positions up to its own,
+    exactly as a decode row at that position does, and every layer writes the whole batch's K/V before
+    it attends. So a step of decode and verify rows is a decode step: it runs on the decode kernels and
+    replays the decode CUDA graphs (not ~190 kernels launched one by one), and the verify row's logits
+    come from the same kernels as plain decoding's (the same bf16 rounding)."""
+    if not any(row.draft for row in batch.rows):
+        return batch.cu_seqlens, batch.page_tables
+    parts = np.array([len(row.token_ids) if row.draft else 1 for row in batch.rows])      # [R] sequences per row
+    lengths = np.repeat(np.where(parts > 1, 1, batch.lengths), parts)                     # [S]
+    return (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+            np.repeat(batch.page_tables, parts, axis=0))
 
 
 class RowLabels:
@@ -91,13 +118,22 @@ class LaunchedStep:
 class ModelRunner:
     """The model, its KV cache and its decode graphs, driven one batch at a time."""
 
-    def __init__(self, model: Model, engine_config: EngineConfig):
+    def __init__(self, model: Model, engine_config: EngineConfig, model_dir=None):
         self.model, self.backend, self.config = model, model.backend, model.config
         self.cache, self.engine_config = self._allocate_cache(engine_config)
         # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
         # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
-        self.decode_graphs = DecodeGraphs(model, self.cache, self.engine_config.max_seqs,
+        self.decode_graphs = DecodeGraphs(model, self.cache, decode_rows(self.engine_config),
                                           enabled=engine_config.cuda_graphs)
+        # speculative method "draft": the draft model, its own KV pool and decode graphs (after the
+        # target's pool, so that the target's share of the memory is what it would be without it)
+        self.proposer: DraftModelProposer | None = None
+        spec = self.engine_config.speculative
+        if spec is not None and spec.method == "draft":
+            ec = self.engine_config
+            self.proposer = DraftModelProposer(spec.model, self.backend, self.config, max_context=ec.max_context,
+                                               max_rows=decode_rows(ec), page_size=ec.page_size,
+                                               cuda_graphs=ec.cuda_graphs, target_dir=model_dir)
         self._last_completion = 0.0
         self._writer: weakref.ref | None = None   # the scheduler whose batches last wrote the pool
 
@@ -122,8 +158,11 @@ class ModelRunner:
         """`sched` is about to run batches on this pool. If another scheduler wrote it since sched last
         did (LLM.step drives a learner's scheduler over the engine's pool), the pages sched has cached
         hold someone else's K/V now: it forgets them."""
-        if self._writer is not None and self._writer() is not sched and hasattr(sched, "clear_prefix_cache"):
-            sched.clear_prefix_cache()
+        if self._writer is not None and self._writer() is not sched:
+            if hasattr(sched, "clear_prefix_cache"):
+                sched.clear_prefix_cache()
+            if self.proposer is not None:      # the draft's sequences belong to the other scheduler
+                self.proposer.reset()
         self._writer = weakref.ref(sched)
 
     # ---- one step ----------------------------------------------------------------------------
@@ -138,8 +177,9 @@ class ModelRunner:
         sampling = [batch.rows[r] for r in batch.sampling_rows]   # a mid-prompt chunk samples nothing
         # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
         logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
-        fb = ForwardBatch(batch.token_ids, batch.positions, batch.cu_seqlens, batch.page_tables,
-                          batch.slot_mapping, logits_rows=logits_rows, feedback=self._feedback(batch, previous))
+        cu_seqlens, page_tables = split_verify_rows(batch)
+        fb = ForwardBatch(batch.token_ids, batch.positions, cu_seqlens, page_tables, batch.slot_mapping,
+                          logits_rows=logits_rows, feedback=self._feedback(batch, previous))
         logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
         if logits is None:
             logits = self.model.forward(fb, self.cache)

@@ -117,6 +117,9 @@ context or its worst case of pages, and dropped rather than preempting anyone. A
 while it holds at most `max_batch` decoding requests. With async scheduling a speculating request sits
 out the lookahead: its guesses need its last token, and after a verify row, how many tokens it
 yielded; it runs in the step scheduled once that is known (the rest of the batch still overlaps).
+The proposer is a function (a request's last tokens, k) -> guesses, called per request (n-gram
+lookup), or an object with propose_batch(items) and release(request_id) (a draft model: one call for
+all of a step's speculating requests, told when a request ends).
 
 cancel() and fail() work between steps only: cancel() raises SchedulerError while a batch is in
 flight (apply it after complete()/fail()); fail() restores waiting queue, running order, group,
@@ -150,12 +153,13 @@ meanwhile) already has a row in N+1: that row still runs, and complete() discard
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -166,6 +170,16 @@ from engine.runtime.speculative import NGRAM_WINDOW, SpeculativeConfig, ngram_pr
 from engine.runtime.step_log import StepRecord
 
 Proposer = Callable[[list[int], int], list[int]]    # (a request's last tokens, k) -> up to k guesses
+
+
+class BatchedProposer(Protocol):
+    """A proposer for all of a step's speculating requests at once (engine/runtime/draft_model.py)."""
+
+    def propose_batch(self, items: list[tuple[int, int, Callable[[int, int], list[int]], int]]) -> list[list[int]]:
+        """items: (request_id, n known tokens, tokens(start, end), k) -> up to k guesses each."""
+
+    def release(self, request_id: int) -> None:
+        """The request ended: forget what was kept for it."""
 
 __all__ = ["Scheduler", "Batch", "Row", "Result", "InvalidRequest", "SchedulerError", "PENDING",
            "KVAllocator", "PageAllocator", "SlotAllocator"]
@@ -462,7 +476,7 @@ class Scheduler:
                  admission: str = "conservative", chunked_prefill: bool = False, first_request_id: int = 0,
                  async_scheduling: bool = False, prefix_caching: bool = False, page_key: PageKey = page_key,
                  prefix_lookup: PrefixLookup = cached_prefix, speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | BatchedProposer | None = None):
         for name, value in (("max_seqs", max_seqs), ("max_batch_tokens", max_batch_tokens),
                             ("max_context", max_context)):
             if not isinstance(value, int) or value < 1:
@@ -497,8 +511,11 @@ class Scheduler:
         self.page_key, self.prefix_lookup = page_key, prefix_lookup   # chapter 15: yours may plug in here
         if speculative is not None and policy != "continuous":
             raise ValueError("speculative decoding needs the continuous policy (a static group decodes in lockstep)")
+        if speculative is not None and speculative.method == "draft" and not hasattr(proposer, "propose_batch"):
+            raise ValueError("speculative method 'draft' needs the draft model's proposer "
+                             "(engine/runtime/draft_model.py; the model runner builds it)")
         self.speculative = speculative      # chapter 16: verify rows for decoding requests
-        self.proposer: Proposer = proposer or (
+        self.proposer: Proposer | BatchedProposer = proposer or (
             (lambda tokens, k: ngram_propose(tokens, k, speculative.ngram_max, speculative.ngram_min))
             if speculative is not None else (lambda tokens, k: []))
         self.draft_tokens = 0               # completed steps: tokens proposed, and of those accepted
@@ -1067,18 +1084,40 @@ class Scheduler:
         is no longer bound by reading the weights, and k extra positions per row would cost time."""
         return self.speculative is not None and len(decoding) <= self.speculative.max_batch
 
-    def _draft(self, request: _Request, budget: int | None) -> list[int]:
+    def _draft_limit(self, request: _Request) -> int:
+        """Guesses that may still become tokens: max_new_tokens and the context bound them."""
+        return min(self.speculative.num_tokens if self.speculative else 0,
+                   request.max_new_tokens - request.num_sampled - 1, self.max_context - request.num_tokens - 1)
+
+    def _propose_all(self, request_ids: list[int]) -> dict[int, list[int]]:
+        """A batched proposer's guesses for each request of the step that may get a verify row."""
+        propose_batch = getattr(self.proposer, "propose_batch", None)
+        if propose_batch is None:
+            return {}
+        items = []
+        for rid in request_ids:
+            request = self._requests[rid]
+            if request.status == "running" and request.num_remaining == 1 and request.num_sampled \
+                    and not request.pending and not request.verifying and self._draft_limit(request) >= 1:
+                items.append((rid, request.num_known, functools.partial(self._known_tokens, request),
+                              self._draft_limit(request)))
+        return {item[0]: guesses for item, guesses in zip(items, propose_batch(items), strict=True)} if items else {}
+
+    def _draft(self, request: _Request, budget: int | None, proposed: dict[int, list[int]]) -> list[int]:
         """The proposer's guesses for a decoding request's verify row, as many as may still become
         tokens (max_new_tokens, the context) and as fit the step's budget and the pool (speculation never
         preempts anyone)."""
-        k = min(self.speculative.num_tokens if self.speculative else 0,
-                request.max_new_tokens - request.num_sampled - 1, self.max_context - request.num_tokens - 1)
+        k = self._draft_limit(request)
         if budget is not None:
             k = min(k, budget - 1)
         if k < 1:
             return []
-        n = request.num_known
-        draft = [operator.index(t) for t in self.proposer(self._known_tokens(request, max(0, n - NGRAM_WINDOW), n), k)]
+        if hasattr(self.proposer, "propose_batch"):
+            guesses = proposed.get(request.request_id, [])[:k]
+        else:
+            n = request.num_known
+            guesses = self.proposer(self._known_tokens(request, max(0, n - NGRAM_WINDOW), n), k)
+        draft = [operator.index(t) for t in guesses]
         if len(draft) > k or (draft and min(draft) < 0):
             raise SchedulerError(f"the proposer returned {draft!r}: at most {k} token ids")
         while draft and not self.allocator.can_reserve(request.request_id, request.num_computed + 1 + len(draft)):
@@ -1095,6 +1134,7 @@ class Scheduler:
         newest. With `speculate`, a decoding request whose tokens are all known gets a verify row (its
         token, then the proposer's guesses)."""
         rows, preempted = [], []
+        proposed = self._propose_all(request_ids) if speculate else {}
         for rid in request_ids:
             request = self._requests[rid]
             if request.status != "running" or self._finishes_pending(request) or request.verifying \
@@ -1116,7 +1156,7 @@ class Scheduler:
             else:
                 in_step.add(rid)
                 decoding = chunk == 1 and request.num_remaining == 1 and request.num_sampled and not request.pending
-                draft = self._draft(request, budget) if speculate and decoding else []
+                draft = self._draft(request, budget, proposed) if speculate and decoding else []
                 rows.append(self._reserve_row(request, chunk, draft=draft))
                 if budget is not None:
                     budget -= chunk + len(draft)
@@ -1215,6 +1255,9 @@ class Scheduler:
             self._running.remove(request.request_id)
             self.allocator.free(request.request_id)
         del self._requests[request.request_id]
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(request.request_id)
         if self._group and not any(member in self._requests for member in self._group):
             self._group, self._group_decoding = [], False
         return Result(request.request_id, list(request.prompt_ids), list(request.generated), reason)

@@ -20,7 +20,9 @@ max(0, p - q) = p(x). Greedy (temperature 0) is the case p = one-hot(argmax): a 
 is the argmax, and the emitted token is the argmax, so the output is exactly plain greedy decoding.
 
 Proposers: `ngram_propose` (prompt lookup: the request's own prompt and output; free, and right when
-the answer quotes its input: code edits, summaries with quotes, repeated structure).
+the answer quotes its input: code edits, summaries with quotes, repeated structure), and a draft model
+(engine/runtime/draft_model.py: a smaller model of the same tokenizer, k greedy passes of its own per
+verify step, with its own paged cache).
 
 When speculation steps aside: verify rows cost k + 1 positions of compute each. A step with many
 decoding requests is no longer memory-bound, and those positions would slow it down; so a step
@@ -33,14 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from engine.ops.sampling import check_finite_rows
 from engine.runtime.sampling_params import step_uniforms
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
 NGRAM_WINDOW = 8192       # the proposer looks back at most this many tokens (bounded cost per step)
 RESAMPLE_STREAM = 0x5DEECE66D     # a second stream of draws per seed: accept tests vs resampling
@@ -57,6 +61,7 @@ class SpeculativeConfig:
     ngram_max: int = 3           # the longest suffix looked up
     ngram_min: int = 1           # the shortest
     max_batch: int = 8           # a step speculates only with at most this many decoding requests
+    model: str | None = None     # method "draft": the draft model's directory (engine/runtime/draft_model.py)
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -68,14 +73,18 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise SpeculativeError(f"speculative must be None or a dict like {{'method': 'ngram', 'num_tokens': 4}}, "
                                    f"got {value!r}")
-        unknown = set(value) - {"method", "num_tokens", "ngram_max", "ngram_min", "max_batch"}
+        unknown = set(value) - {"method", "num_tokens", "ngram_max", "ngram_min", "max_batch", "model"}
         if unknown:
             raise SpeculativeError(f"unknown speculative setting(s) {sorted(unknown)}; known: method, num_tokens, "
-                                   "ngram_max, ngram_min, max_batch")
+                                   "ngram_max, ngram_min, max_batch, model")
         config = cls(**value)
         if config.method not in METHODS:
-            raise SpeculativeError(f"speculative method must be one of {METHODS}, got {config.method!r}"
-                                   + (" (draft models are not built yet)" if config.method == "draft" else ""))
+            raise SpeculativeError(f"speculative method must be one of {METHODS}, got {config.method!r}")
+        if (config.method == "draft") != (config.model is not None):
+            raise SpeculativeError("speculative method 'draft' needs a model directory ('model': DIR), and "
+                                   "only it takes one")
+        if config.model is not None and not isinstance(config.model, (str, os.PathLike)):
+            raise SpeculativeError(f"speculative model must be a directory path, got {config.model!r}")
         for name in ("num_tokens", "ngram_max", "ngram_min", "max_batch"):
             v = getattr(config, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -87,11 +96,12 @@ class SpeculativeConfig:
         return config
 
     def describe(self) -> str:
-        return f"{self.method}, k={self.num_tokens}"
+        return f"{self.method}, k={self.num_tokens}" + (f", {Path(self.model).name}" if self.model else "")
 
     @classmethod
     def from_cli(cls, text: str | None) -> dict | None:
-        """A command line's --speculative: "ngram", "ngram:6" (k = 6) or a JSON object; None: off."""
+        """A command line's --speculative: "ngram", "ngram:6" (k = 6), "draft:DIR" (a draft model) or a
+        JSON object; None: off."""
         if text is None or text in ("", "off", "none"):
             return None
         if text.lstrip().startswith("{"):
@@ -102,7 +112,9 @@ class SpeculativeConfig:
         else:
             method, _, k = text.partition(":")
             value = {"method": method}
-            if k:
+            if method == "draft":
+                value["model"] = k or None
+            elif k:
                 if not k.isdigit():
                     raise SpeculativeError(f"--speculative METHOD:K needs an integer K, got {text!r}")
                 value["num_tokens"] = int(k)
