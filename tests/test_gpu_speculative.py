@@ -26,6 +26,15 @@ def prompts(vocab, n=6, seed=3):
     return out
 
 
+def assert_near_greedy(plain, batch, got):
+    """Each token is the argmax of a full recomputation of its prefix, bf16 near-ties aside."""
+    for prompt, tokens in zip(batch, got, strict=True):
+        full = plain.model.logits(prompt + tokens[:-1])
+        for i, t in enumerate(tokens):
+            row = full[len(prompt) - 1 + i]
+            assert row[t] >= row.max() - 0.05 * (row.max() - row.mean()), (i, t, int(row.argmax()))
+
+
 @pytest.mark.parametrize("n_prompts", [1, 6])
 def test_greedy_tokens_equal_plain_decoding(model_dir, n_prompts):
     import engine
@@ -36,11 +45,7 @@ def test_greedy_tokens_equal_plain_decoding(model_dir, n_prompts):
     want = [r.token_ids for r in plain.generate(batch, p)]
     replays = fast.decode_graphs.replays
     got = [r.token_ids for r in fast.generate(batch, p)]
-    for prompt, tokens in zip(batch, got, strict=True):    # greedy along its own path, near-ties aside
-        full = plain.model.logits(prompt + tokens[:-1])
-        for i, t in enumerate(tokens):
-            row = full[len(prompt) - 1 + i]
-            assert row[t] >= row.max() - 0.05 * (row.max() - row.mean()), (i, t, int(row.argmax()))
+    assert_near_greedy(plain, batch, got)
     # bf16: a verify row's positions ride in a wider decode bucket than plain decoding's one row, which
     # may flip a near-tie (random weights have many); report, don't hide
     assert np.mean([a == b for a, b in zip(got, want, strict=True)]) >= 0.5, (got, want)
@@ -49,6 +54,30 @@ def test_greedy_tokens_equal_plain_decoding(model_dir, n_prompts):
     stats = fast.stats()["speculative"]
     assert stats["verify_rows"] > 0 and stats["accepted_tokens"] > 0
     assert fast.async_scheduling and fast.stats()["pages_used"] == 0
+
+
+@pytest.mark.parametrize("draft", ["itself", "another model"])
+def test_a_draft_models_greedy_tokens_are_the_models(model_dir, tmp_path, draft):
+    """The draft proposer on the GPU: its passes replay its own decode graphs, the target's tokens stay
+    greedy (the draft = the target accepts nearly every guess; a 2-layer random draft, few), and every
+    draft page comes back."""
+    import engine
+    from engine.model.random_model import PRESETS, write_random_model
+    draft_dir = model_dir if draft == "itself" else write_random_model(
+        tmp_path / "draft", {**PRESETS["smollm2-135m"], "num_hidden_layers": 2, "tie_word_embeddings": False}, seed=8)
+    plain = engine.LLM(model_dir, backend="cupy", max_seqs=8, max_context=2048)
+    fast = engine.LLM(model_dir, backend="cupy", max_seqs=8, max_context=2048,
+                      speculative={"method": "draft", "model": str(draft_dir), "num_tokens": 4})
+    batch = prompts(plain.config.vocab_size)
+    p = engine.SamplingParams(max_new_tokens=40, ignore_eos=True)
+    got = [r.token_ids for r in fast.generate(batch, p)]
+    assert_near_greedy(plain, batch, got)
+    stats = fast.stats()["speculative"]
+    assert stats["verify_rows"] > 0
+    if draft == "itself":
+        assert stats["acceptance_rate"] > 0.9
+    proposer = fast.runner.proposer
+    assert proposer.graphs.replays > 0 and proposer.allocator.num_used == 0
 
 
 def test_device_verification_equals_numpy_on_the_same_logits():

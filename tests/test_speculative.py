@@ -12,6 +12,7 @@ invariant, and the engine's outputs do not change.
 """
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -427,19 +428,20 @@ def test_sampled_outputs_follow_the_models_distribution_and_a_wrong_rule_is_caug
     assert not same_distribution(want, third_token_counts(fast, n, V, rule=no_residual_rule))
 
 
-def test_the_spec_decode_bench_runs_on_the_cpu(capsys):
-    """The bench scenario end to end on a random tiny model: plain decoding, then n-gram speculation,
-    same run; a random model loops, which the lookup finds, so verify rows yield more than one token."""
+def test_the_spec_decode_bench_runs_on_the_cpu(capsys, other_draft_dir):
+    """The bench scenario end to end on a random tiny model: plain decoding, then n-gram speculation and
+    a draft model, same run; a random model loops, which the lookup finds, so verify rows yield more
+    than one token."""
     import json
 
     from engine.bench import run as bench
     bench.main(["--preset", "tiny", "--backend", "numpy", "--scenario", "spec-decode", "--new-tokens", "24",
-                "--spec-k", "3", "--prompt-len", "32"])
+                "--spec-k", "3", "--prompt-len", "32", "--spec-draft", str(other_draft_dir)])
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     runs = {(r["prompt"], r["speculative"]): r for r in records if r.get("scenario") == "spec-decode"}
-    assert set(runs) == {("repeat", "off"), ("plain", "off"), ("repeat", "ngram:3"), ("plain", "ngram:3")}
-    for prompt in ("repeat", "plain"):
-        spec = runs[prompt, "ngram:3"]
+    assert set(runs) == {(p, m) for p in ("repeat", "plain") for m in ("off", "ngram:3", "draft:3")}
+    for prompt, mode in itertools.product(("repeat", "plain"), ("ngram:3", "draft:3")):
+        spec = runs[prompt, mode]
         assert spec["same_tokens_as_plain"] and spec["same_leading_tokens"] == spec["new_tokens"] == 24
         assert spec["verify_rows"] > 0 and 1.0 <= spec["mean_tokens_per_verify_row"] <= 4.0
         assert spec["speedup"] > 0 and runs[prompt, "off"]["decode_tok_per_s"] > 0

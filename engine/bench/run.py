@@ -509,6 +509,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
     ap.add_argument("--http-clients", type=int, default=4, help="serve-http: load-generator processes")
     ap.add_argument("--spec-k", type=int, nargs="+", default=[2, 4, 8], help="spec-decode: guesses per verify row")
+    ap.add_argument("--spec-draft", metavar="DIR", help="spec-decode: also a draft model's guesses (same tokenizer)")
     ap.add_argument("--room-clients", type=int, default=8, help="fair-flood: API keys the room's requests use")
     ap.add_argument("--flood-requests", type=int, default=1000, help="fair-flood: requests the flooding key sends")
     ap.add_argument("--flood-lead", type=float, default=1.0,

@@ -1,7 +1,8 @@
 """`python -m engine.bench --scenario spec-decode`: batch-1 decode with and without speculation.
 
 One request at a time (max_seqs=1), greedy, the same prompt for every mode, in the same run:
-plain decoding, then n-gram speculation with each of --spec-k guesses per verify row. Two prompts:
+plain decoding, then n-gram speculation with each of --spec-k guesses per verify row, and with
+--spec-draft DIR a draft model's guesses ("draft:k" records; engine/runtime/draft_model.py). Two prompts:
 
   repeat   an answer that quotes its input: with a tokenizer, a paragraph with misspelt words and
            "correct the spelling" in the model's chat template, answered until the model ends it (the
@@ -58,6 +59,8 @@ def scenario_spec_decode(args, setup, model_dir, backend) -> None:
     from engine.runtime.sampling_params import SamplingParams
     max_context = args.max_context or min(4096, load_config(model_dir).max_position_embeddings)
     modes = [None] + [{"method": "ngram", "num_tokens": k} for k in args.spec_k]
+    if args.spec_draft:
+        modes += [{"method": "draft", "model": args.spec_draft, "num_tokens": k} for k in args.spec_k]
     baseline: dict[str, tuple[float, list[int]]] = {}
     for spec in modes:
         llm = LLM(model_dir, backend, max_seqs=1, max_context=max_context, speculative=spec)
@@ -74,8 +77,9 @@ def scenario_spec_decode(args, setup, model_dir, backend) -> None:
             drafted = after["draft_tokens"] - before["draft_tokens"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
             rows = after["verify_rows"] - before["verify_rows"]
+            label = "off" if spec is None else f"{spec['method']}:{spec['num_tokens']}"
             rec = {**setup, "scenario": "spec-decode", "prompt": name, "prompt_len": len(ids),
-                   "new_tokens": len(out.token_ids), "speculative": "off" if spec is None else f"ngram:{spec['num_tokens']}",
+                   "new_tokens": len(out.token_ids), "speculative": label,
                    "decode_tok_per_s": round(rate, 1), "steps": len(llm.last_step_log),
                    "async_scheduling": llm.async_scheduling}
             if spec is None:

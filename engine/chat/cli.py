@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="auto", choices=BACKENDS)
     ap.add_argument("--speculative", default=None, metavar="SPEC",
                     help="speculative decoding: 'ngram' or 'ngram:K' (K guesses per step, default 4): the "
-                         "model checks guesses looked up in the conversation (chapter 16)")
+                         "model checks guesses looked up in the conversation; 'draft:DIR': a smaller "
+                         "model of the same tokenizer guesses (chapter 16)")
     ap.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     ap.add_argument("--system", default=None, help="system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=512)

@@ -93,14 +93,16 @@ class DraftModelProposer:
     """The scheduler's batched proposer: propose_batch() for a step's speculating requests, release()
     when a request ends (engine/runtime/scheduler.py)."""
 
-    def __init__(self, draft_dir, backend, target_config, *, max_context: int, max_rows: int,
+    def __init__(self, draft_dir, backend, target_config, *, max_context: int, max_rows: int, max_seqs: int = 1,
                  page_size: int = 16, kv_cache_mib: float | None = None, cuda_graphs: bool | None = None,
                  target_dir=None):
+        """max_rows: the most tokens of one pass that replay a decode graph; max_seqs: the sequences whose
+        whole context the draft's pool holds by default (kv_cache_mib sets it)."""
         check_draft_model(draft_dir, target_config, target_dir, max_context)
         self.model = load_model(draft_dir, backend, max_context=max_context)
         self.backend, self.config = self.model.backend, self.model.config
         if kv_cache_mib is None:
-            wanted = max_rows * max_context * kv_bytes_per_token(self.config, self.backend) / 2**20
+            wanted = max_seqs * max_context * kv_bytes_per_token(self.config, self.backend) / 2**20
             free = self.backend.xp.cuda.runtime.memGetInfo()[0] if self.backend.is_gpu else None
             kv_cache_mib = min(wanted, CPU_DRAFT_KV_MIB if free is None else DRAFT_KV_FRACTION * free / 2**20)
         self.cache = KVCache.paged(self.config, kv_cache_mib, page_size, self.backend)
@@ -187,3 +189,4 @@ class DraftModelProposer:
                                         self.cache)
         best = self.backend.xp.argmax(logits, axis=1)
         return [int(t) for t in (best.get() if hasattr(best, "get") else best)]
+

@@ -132,7 +132,7 @@ class ModelRunner:
         if spec is not None and spec.method == "draft":
             ec = self.engine_config
             self.proposer = DraftModelProposer(spec.model, self.backend, self.config, max_context=ec.max_context,
-                                               max_rows=decode_rows(ec), page_size=ec.page_size,
+                                               max_rows=decode_rows(ec), max_seqs=ec.max_seqs, page_size=ec.page_size,
                                                cuda_graphs=ec.cuda_graphs, target_dir=model_dir)
         self._last_completion = 0.0
         self._writer: weakref.ref | None = None   # the scheduler whose batches last wrote the pool

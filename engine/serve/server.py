@@ -580,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-seqs", type=int, default=None, help="most sequences in one batch")
     ap.add_argument("--max-context", type=int, default=None, help="tokens one sequence may hold")
     ap.add_argument("--speculative", default=None, metavar="SPEC",
-                    help="speculative decoding: 'ngram' or 'ngram:K' (chapter 16); steps aside in large batches")
+                    help="speculative decoding: 'ngram', 'ngram:K' or 'draft:DIR' (a smaller model of the same "
+                         "tokenizer; chapter 16); steps aside in large batches")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the most tokens one request may ask for (default: the context)")
     ap.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
