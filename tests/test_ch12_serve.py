@@ -121,6 +121,48 @@ def test_token_id_prompt_and_seeded_sampling(client, llm):
     assert first.choices[0].text == second.choices[0].text == reference[0].text
 
 
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_404(client):
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_n_choices_equal_separate_requests_with_derived_seeds(client, llm, served):
+    """n > 1: choice i samples with seed + i, so it equals a request of its own with that seed; the
+    choices share the prompt's pages (the engine's prefix cache); best_of = n is the same request.
+    (A random model's logits span tens of units: temperature 20 spreads its choices.)"""
+    kwargs = dict(model=MODEL_NAME, max_tokens=8, temperature=20.0, seed=11)
+    hits = served.stats()["prefix_cache"]["hit_tokens"]
+    many = client.chat.completions.create(messages=HELLO, n=3, **kwargs)
+    full_pages = chat_prompt_len(llm, HELLO) // llm.page_size * llm.page_size
+    assert served.stats()["prefix_cache"]["hit_tokens"] - hits >= 2 * full_pages > 0   # the prompt computed once
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    used = 0
+    for i, choice in enumerate(many.choices):
+        alone = client.chat.completions.create(messages=HELLO, **{**kwargs, "seed": 11 + i})
+        assert choice.message.content == alone.choices[0].message.content
+        assert choice.finish_reason == alone.choices[0].finish_reason
+        used += alone.usage.completion_tokens
+    assert len({c.message.content for c in many.choices}) == 3          # distinct under sampling
+    assert many.usage.completion_tokens == used and many.usage.prompt_tokens == alone.usage.prompt_tokens
+    streamed = list(client.chat.completions.create(messages=HELLO, n=3, stream=True,
+                                                   stream_options={"include_usage": True}, **kwargs))
+    for i, choice in enumerate(many.choices):
+        parts = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == i]
+        assert parts[0].delta.role == "assistant"
+        assert "".join(p.delta.content or "" for p in parts) == choice.message.content
+        assert [p.finish_reason for p in parts if p.finish_reason] == [choice.finish_reason]
+    assert streamed[-1].usage.completion_tokens == many.usage.completion_tokens
+    text = client.completions.create(prompt="Pages are", n=2, best_of=2, **kwargs)
+    streamed_text = list(client.completions.create(prompt="Pages are", n=2, stream=True, **kwargs))
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in streamed_text if c.choices and c.choices[0].index == i) \
+            == text.choices[i].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(prompt="Pages are", n=2, best_of=3, **kwargs)
+
+
 # ---- stop strings ------------------------------------------------------------------------------
 
 def test_stop_strings_cut_the_text_plain_and_streamed(client):
@@ -152,7 +194,7 @@ def test_stop_string_in_chat(client):
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"max_tokens": -3}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"stop": [""]}, "stop"),
 ])
 def test_invalid_values_are_400_with_an_error_object(client, kwargs, param):

@@ -147,7 +147,7 @@ def test_token_ids_at_the_bound_are_accepted():
 # ---- fields that would change the answer: refused, naming the field ------------------------------
 
 REFUSED = [
-    (api.ChatCompletionRequest, "n", 2), (api.ChatCompletionRequest, "n", 0),
+    (api.ChatCompletionRequest, "n", 17), (api.ChatCompletionRequest, "n", 0),
     (api.CompletionRequest, "best_of", 2), (api.ChatCompletionRequest, "best_of", 3),
     (api.ChatCompletionRequest, "logprobs", True), (api.CompletionRequest, "logprobs", 0),
     (api.CompletionRequest, "logprobs", 5), (api.ChatCompletionRequest, "top_logprobs", 2),

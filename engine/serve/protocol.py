@@ -11,7 +11,8 @@ Known fields that would change the answer in a way the engine cannot honour are 
 naming the field (ProtocolError from check_supported) instead of being silently dropped. Each is
 accepted only with the value that leaves the answer unchanged:
 
-    both endpoints   n (only 1), best_of (null or 1), logprobs (null or false), top_logprobs (null or 0),
+    both endpoints   n (1 .. MAX_N), best_of (null or n: no ranking by log-probability),
+                     logprobs (null or false), top_logprobs (null or 0),
                      logit_bias (null or {}), presence_penalty and frequency_penalty (null or 0),
                      repetition_penalty (null or 1), min_p (null or 0), response_format (null or
                      {"type": "text"}), prompt_logprobs (null), guided_json, guided_regex,
@@ -29,6 +30,7 @@ Responses are plain dicts built by the helpers at the bottom, one per object typ
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +45,7 @@ DEFAULT_MAX_TOKENS = 256
 TOKEN_ID_LIMIT = 2**31          # token ids: int32 range
 SEED_LIMIT = 2**63
 TOP_K_MAX = 2**31 - 1
+MAX_N = 16                      # choices per request (each is a request of its own in the engine)
 
 # extra="allow": unknown fields pass (and are ignored); strict=True: no coercion between JSON types.
 # Each model needs it: a nested model validates with its own config, not its parent's.
@@ -151,8 +154,9 @@ class SamplingRequest(BaseModel):
 
     def check_supported(self) -> None:
         _refusals([
-            ("n", self.n == 1, "only n=1 is supported"),
-            ("best_of", self.best_of in (None, 1), "only best_of=1 is supported"),
+            ("n", 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}] (more choices are not supported), got {self.n}"),
+            ("best_of", self.best_of in (None, self.n),
+             "best_of must equal n (choosing the best of more by log-probability is not supported)"),
             ("logprobs", self.logprobs is None or self.logprobs is False, "logprobs are not supported"),
             ("top_logprobs", self.top_logprobs in (None, 0), "top_logprobs are not supported"),
             ("logit_bias", not self.logit_bias, "logit_bias is not supported"),
@@ -183,6 +187,13 @@ class SamplingRequest(BaseModel):
                           if message.startswith(f)), None)
             raise ProtocolError(message.replace("max_new_tokens", max_tokens_field),
                                 "max_tokens" if param == "max_new_tokens" else param) from None
+
+    def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """The n choices' params: choice i draws with seed + i (mod 2**63), so that n choices equal n
+        separate requests with those seeds; unseeded, each choice gets seeds of its own."""
+        if self.n == 1 or params.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT) for i in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
@@ -301,26 +312,30 @@ def model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "engine"}
 
 
-def chat_completion(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def chat_completion(rid: str, model: str, answers: list[tuple[str, str]], use: dict) -> dict:
+    """answers: (text, finish reason) of each choice."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}
+                        for i, (text, finish_reason) in enumerate(answers)],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               use: dict | None = None) -> dict:
+               use: dict | None = None, index: int = 0) -> dict:
     choices = [] if use is not None and not delta else \
-        [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if use is not None:
         chunk["usage"] = use
     return chunk
 
 
-def text_completion(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                    use: dict | None = None, with_choice: bool = True) -> dict:
-    choices = [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}] if with_choice else []
+def text_completion(rid: str, model: str, created: int, answers: list[tuple[str, str | None]],
+                    use: dict | None = None, first_index: int = 0) -> dict:
+    """answers: (text, finish reason or None) of each choice in the body, from first_index on."""
+    choices = [{"index": first_index + i, "text": text, "finish_reason": finish_reason, "logprobs": None}
+               for i, (text, finish_reason) in enumerate(answers)]
     body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use

@@ -2,14 +2,15 @@
 
     python -m engine.serve --model DIR --host 0.0.0.0 --port 8000
 
-    GET  /v1/models              the one model this process serves
+    GET  /v1/models              the one model this process serves (/v1/models/{id}: its card)
     POST /v1/chat/completions    messages -> the model's chat template -> tokens; "stream": true for SSE
     POST /v1/completions         a text (or token-id) prompt
     GET  /health                 200 while the engine answers, 503 while it is down or restarting
     GET  /metrics                Prometheus text: running, waiting, KV pages, tokens/s, time to first token
     GET  /                       the live dashboard (pages of the KV pool, request timeline, tokens/s)
 
-Every HTTP request becomes one `llm.submit(prompt_ids, params)`: the engine loop (one thread that
+Every HTTP request becomes one `llm.submit(prompt_ids, params)` per choice (n > 1: choice i with
+seed + i; the choices share the prompt's pages through the prefix cache): the engine loop (one thread that
 owns the model, the KV cache and the scheduler) admits it into the running batch at its next step
 and streams tokens back. This module only translates: JSON in, SamplingParams and token ids to the
 engine, events out as JSON or server-sent events (`data: {...}` lines, ending with `data: [DONE]`).
@@ -157,7 +158,8 @@ class OpenAIServer:
         self.keys = Keys(api_keys, metrics_keys)
         self.engine_state = "ok"        # ok | down | restarting | failed (an engine in its own process)
         self.monitor = Monitor(llm, model_name, self.state)
-        routes = [Route("/v1/models", self.models), Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        routes = [Route("/v1/models", self.models), Route("/v1/models/{name:path}", self.model),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/health", self.health), Route("/metrics", self.metrics),
                   Route("/", self.dashboard_page), Route("/dashboard/events", self.dashboard_events),
@@ -329,6 +331,20 @@ class OpenAIServer:
             raise
         return handle
 
+    async def _submit_choices(self, prompt_ids: list[int], choices: list, param: str, client: str) -> list:
+        """One engine request per choice (n > 1). They share the prompt's full pages through the prefix
+        cache: the first choice's pages are registered when its row is scheduled, and the others,
+        admitted in that step or a later one, reuse them instead of computing the prompt again."""
+        handles: list = []
+        try:
+            for params in choices:
+                handles.append(await self._submit(prompt_ids, params, param, client))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
     def _need_tokenizer(self):
         if self.tokenizer is None:
             raise ApiError(400, "this model directory has no tokenizer.json: send token ids to /v1/completions")
@@ -354,41 +370,72 @@ class OpenAIServer:
                 handle.cancel()
         return "".join(text), ids, reason
 
-    def _stream(self, request: Request, handle, first: list, piece, last, usage_chunk,
+    async def _collect_all(self, request: Request, handles: list) -> list[tuple[str, list[int], str]]:
+        """Every choice run to its end, together (n > 1: n requests of the engine)."""
+        try:
+            return list(await asyncio.gather(*(self._collect(request, h) for h in handles)))
+        finally:
+            for h in handles:
+                if not h.done:
+                    h.cancel()
+
+    def _stream(self, request: Request, handles: list, first: list, piece, last, usage_chunk,
                 ticket: Ticket) -> StreamingResponse:
-        """SSE: the `first` chunks, one chunk per piece of new text, the finishing chunk, usage, [DONE].
+        """SSE: the `first` chunks, one chunk per piece of new text of a choice (piece(text, index)), each
+        choice's finishing chunk (last(reason, index)), usage, [DONE].
 
         A piece is everything the engine handed over since this stream last woke: one token while the
         server keeps up, several when it falls behind (then one message carries them all, so a busy
-        server sends fewer, larger events instead of falling further behind)."""
+        server sends fewer, larger events instead of falling further behind). With n > 1 the choices'
+        pieces interleave as they come, each naming its index."""
+        async def pump(index: int, handle, queue: asyncio.Queue) -> None:
+            try:
+                async for batch in handle.astream_batches():
+                    await queue.put((index, batch, None))
+            except Exception as exc:          # the engine failed this request
+                await queue.put((index, None, exc))
+            else:
+                await queue.put((index, None, None))
+
         async def events():
-            watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
-            reason, n_tokens = None, 0
+            watchers = [asyncio.create_task(cancel_on_disconnect(request, h)) for h in handles]
+            queue: asyncio.Queue = asyncio.Queue()
+            pumps: list[asyncio.Task] = []
+            reasons: dict[int, str | None] = {}
+            n_tokens = 0
             try:
                 for chunk in first:
                     yield sse(chunk)
-                try:
-                    async for batch in handle.astream_batches():
-                        n_tokens += sum(len(ev.token_ids) for ev in batch)
-                        text = "".join(ev.text for ev in batch)
-                        if text or any(ev.token_ids and not ev.finished for ev in batch):   # tokens, no text yet
-                            yield sse(piece(text))
-                        if batch[-1].finished:
-                            reason = batch[-1].finish_reason
-                except Exception as exc:     # the engine failed this request: say so, send no [DONE]
-                    logger.warning("request failed in the engine: %s", exc)
-                    yield sse(api.error_body(f"the engine failed this request: {exc}"[:500], "server_error"))
-                    return
-                if reason in ("stop", "length"):
-                    yield sse(last(reason))
+                pumps = [asyncio.create_task(pump(i, h, queue)) for i, h in enumerate(handles)]
+                ended = 0
+                while ended < len(handles):
+                    index, batch, exc = await queue.get()
+                    if exc is not None:       # the engine failed this request: say so, send no [DONE]
+                        logger.warning("request failed in the engine: %s", exc)
+                        yield sse(api.error_body(f"the engine failed this request: {exc}"[:500], "server_error"))
+                        return
+                    if batch is None:
+                        ended += 1
+                        continue
+                    n_tokens += sum(len(ev.token_ids) for ev in batch)
+                    text = "".join(ev.text for ev in batch)
+                    if text or any(ev.token_ids and not ev.finished for ev in batch):   # tokens, no text yet
+                        yield sse(piece(text, index))
+                    if batch[-1].finished:
+                        reasons[index] = batch[-1].finish_reason
+                if all(reasons.get(i) in ("stop", "length") for i in range(len(handles))):
+                    for i in range(len(handles)):
+                        yield sse(last(reasons[i], i))
                     if usage_chunk is not None:
                         yield sse(usage_chunk(n_tokens))
                     yield sse("[DONE]")
             finally:
-                watcher.cancel()
+                for task in watchers + pumps:
+                    task.cancel()
                 ticket.release()
-                if reason is None:       # the client went away (or the engine failed): free the pages
-                    handle.cancel()
+                for h in handles:        # the client went away (or the engine failed): free the pages
+                    if not h.done:
+                        h.cancel()
         # (the background task gives the ticket back if the stream never started: the client left first)
         return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(ticket.release),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -430,6 +477,15 @@ class OpenAIServer:
         self._client(request)
         return JSONResponse({"object": "list", "data": [api.model_card(self.model_name, self.created)]})
 
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model's card, or 404 naming the one served."""
+        self._client(request)
+        name = request.path_params["name"]
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found", "not_found_error")
+        return JSONResponse(api.model_card(self.model_name, self.created))
+
     async def chat(self, request: Request) -> Response:
         return await self._admitted(request, self._chat)
 
@@ -445,17 +501,20 @@ class OpenAIServer:
             raise ApiError(400, str(exc), getattr(exc, "param", "messages")) from None
         prompt_ids = await asyncio.to_thread(
             self._encode, lambda: tok.apply_chat_template(messages, add_generation_prompt=True), "messages")
-        handle = await self._submit(prompt_ids, params, "messages", client)
+        handles = await self._submit_choices(prompt_ids, body.choice_params(params), "messages", client)
         rid, created, n_prompt = api.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
-            text, ids, reason = await self._collect(request, handle)
-            return JSONResponse(api.chat_completion(rid, self.model_name, text, reason,
-                                                    api.usage(n_prompt, len(ids))))
+            answers = await self._collect_all(request, handles)
+            return JSONResponse(api.chat_completion(rid, self.model_name,
+                                                    [(text, reason) for text, _, reason in answers],
+                                                    api.usage(n_prompt, sum(len(ids) for _, ids, _ in answers))))
 
-        def chunk(delta, reason=None, use=None):
-            return api.chat_chunk(rid, self.model_name, created, delta, reason, use)
-        return self._stream(request, handle, [chunk({"role": "assistant", "content": ""})],
-                            lambda text: chunk({"content": text}), lambda reason: chunk({}, reason),
+        def chunk(delta, reason=None, use=None, index=0):
+            return api.chat_chunk(rid, self.model_name, created, delta, reason, use, index)
+        return self._stream(request, handles, [chunk({"role": "assistant", "content": ""}, index=i)
+                                               for i in range(len(handles))],
+                            lambda text, i: chunk({"content": text}, index=i),
+                            lambda reason, i: chunk({}, reason, index=i),
                             (lambda n: chunk({}, use=api.usage(n_prompt, n))) if body.include_usage else None,
                             ticket)
 
@@ -470,20 +529,21 @@ class OpenAIServer:
             prompt_ids = await asyncio.to_thread(self._encode, lambda: prompt, "prompt", True)
         else:
             prompt_ids = prompt
-        handle = await self._submit(prompt_ids, params, "prompt", client)
+        handles = await self._submit_choices(prompt_ids, body.choice_params(params), "prompt", client)
         rid, created, n_prompt = api.new_id("cmpl"), int(time.time()), len(prompt_ids)
         if not body.stream:
-            text, ids, reason = await self._collect(request, handle)
-            return JSONResponse(api.text_completion(rid, self.model_name, created, text, reason,
-                                                    api.usage(n_prompt, len(ids))))
+            answers = await self._collect_all(request, handles)
+            return JSONResponse(api.text_completion(rid, self.model_name, created,
+                                                    [(text, reason) for text, _, reason in answers],
+                                                    api.usage(n_prompt, sum(len(ids) for _, ids, _ in answers))))
 
-        def chunk(text, reason=None):
-            return api.text_completion(rid, self.model_name, created, text, reason)
+        def chunk(text, reason, index):
+            return api.text_completion(rid, self.model_name, created, [(text, reason)], first_index=index)
 
         def usage_chunk(n):
-            return api.text_completion(rid, self.model_name, created, "", None, api.usage(n_prompt, n),
-                                       with_choice=False)
-        return self._stream(request, handle, [], chunk, lambda reason: chunk("", reason),
+            return api.text_completion(rid, self.model_name, created, [], api.usage(n_prompt, n))
+        return self._stream(request, handles, [], lambda text, i: chunk(text, None, i),
+                            lambda reason, i: chunk("", reason, i),
                             usage_chunk if body.include_usage else None, ticket)
 
     # ---- operations --------------------------------------------------------------------------
