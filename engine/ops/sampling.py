@@ -110,8 +110,11 @@ class SampledTokens:
         return self._host.copy()
 
 
-def start_sampling(logits, params: Sequence[RowKnobs], uniforms) -> SampledTokens:
+def start_sampling(logits, params: Sequence[RowKnobs], uniforms, raw=None) -> SampledTokens:
     """Queue the sampling of one token per row of logits [R, V]; SampledTokens.wait() gives them.
+
+    raw: the model's logits before processing (engine/ops/logits_processing.py), whose rows must be
+    finite; a processed row may hold -inf (a token masked out) and still be sampled.
 
     uniforms: R draws in [0, 1) (a list or a float64 array, step_uniforms). On the GPU only the R
     sampled ids and R finite flags cross to the host, in one asynchronous copy into pinned memory
@@ -125,7 +128,7 @@ def start_sampling(logits, params: Sequence[RowKnobs], uniforms) -> SampledToken
         if plug is not None:
             draw = plug.require_function()
         rows = to_host(logits)
-        finite = np.isfinite(rows).all(axis=1)
+        finite = np.isfinite(rows if raw is None else to_host(raw)).all(axis=1)
         return SampledTokens(np.array([int(draw(rows[r], p.temperature, p.top_k, p.top_p, u)) if finite[r] else 0
                                        for r, (p, u) in enumerate(zip(params, uniforms, strict=True))],
                                       dtype=np.int32), finite)
@@ -142,7 +145,8 @@ def start_sampling(logits, params: Sequence[RowKnobs], uniforms) -> SampledToken
         kernel = plug.kernel(**defines) if plug is not None else load_kernel("sampling", "sample_rows", **defines)
         kernel((R,), (SAMPLE_THREADS,), (logits, *knobs, tokens, np.int32(V)))
     tokens = tokens.astype(cp.int32, copy=False)
-    both = cp.stack([tokens, cp.isfinite(logits).all(axis=1).astype(cp.int32)])   # [2, R]: one copy
+    finite = cp.isfinite(logits if raw is None else raw).all(axis=1)
+    both = cp.stack([tokens, finite.astype(cp.int32)])   # [2, R]: one copy
     pinned = cp.cuda.alloc_pinned_memory(both.nbytes)
     host = np.frombuffer(pinned, np.int32, both.size).reshape(2, R)
     stream = cp.cuda.get_current_stream()

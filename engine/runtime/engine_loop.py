@@ -64,6 +64,7 @@ class EngineLoop:
         # and the cache, and closes the loop
         self._runner_ref = weakref.ref(runner, lambda _ref: self.close())
         self.engine_config, self._eos, self._num_pages = engine_config, eos_token_ids, runner.cache.num_pages
+        self._vocab_size = runner.config.vocab_size
         self.lock = threading.Lock()          # held for each loop iteration and by hand-driven steps
         self._cv = threading.Condition()      # guards the queues below and the thread's sleep
         self.hub = HandleHub()                # what every RequestHandle waits on; the loop writes them through it
@@ -86,6 +87,7 @@ class EngineLoop:
         self._seeds: dict[int, int] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}   # requests with stop strings: their text
         self._stops: dict[int, StopStringMatcher] = {}     # is read here, to find the stop
+        self._logprobs: dict[int, list] = {}   # requests asking for logprobs: one entry per token so far
         self._collectors: list[list[StepRecord]] = []
         self._recent: deque[RequestHandle] = deque(maxlen=RECENT_REQUESTS)
         self._steps: deque[tuple[float, float, int, str]] = deque(maxlen=RECENT_STEPS)  # (t0, t1, sampled, kind)
@@ -107,6 +109,12 @@ class EngineLoop:
         prompt, _, _ = self.scheduler.validate(prompt_ids, params)   # constants only
         if getattr(params, "stop", ()) and self._tokenizer is None:
             raise ValueError("stop strings need text: this model directory has no tokenizer.json")
+        bias = getattr(params, "logit_bias", ())
+        if bias and bias[-1][0] >= self._vocab_size:          # (sorted by token id)
+            raise ValueError(f"logit_bias names token id {bias[-1][0]}; the model has {self._vocab_size}")
+        runner = self._runner_ref()
+        if getattr(params, "structured", None) is not None and runner is not None:
+            runner.structured.compile(params.structured)     # a bad constraint: StructuredError (a ValueError)
         return prompt
 
     def submit(self, prompt_ids: list[int], params, client=None) -> RequestHandle:
@@ -225,6 +233,8 @@ class EngineLoop:
             if request_id != handle.request_id:
                 raise RuntimeError(f"engine and scheduler request ids diverged ({handle.request_id} != {request_id})")
             self._seeds[request_id] = resolve_seed(handle.params)
+            if getattr(handle.params, "logprobs", None) is not None:
+                self._logprobs[request_id] = []
             if handle.params.stop:      # validate() made sure there is a tokenizer
                 self._detok[request_id] = self._tokenizer.detokenizer(skip_special_tokens=True)
                 self._stops[request_id] = StopStringMatcher(handle.params.stop)
@@ -374,9 +384,13 @@ class EngineLoop:
         for request_id, n in final_new.items():
             self._handles[request_id].num_generated += n
         self.tokens_generated += len(out.sampled)
+        for request_id, entry in out.logprobs.items():    # one per step: such a request gets no verify row
+            if request_id in self._logprobs:
+                self._logprobs[request_id].append(entry)
         with self.hub.publish():
             for handle, token, text in delivered:
-                handle.deliver([token], None if text is None else [text])
+                lp = self._logprobs.get(handle.request_id)
+                handle.deliver([token], None if text is None else [text], None if lp is None else lp[-1:])
         self._finish(list(finished.values()), sampled_now=final_new, at=t1, final_text=final_text)
 
     def _stop_text(self, request_id: int, tokens: list[int], final: bool) -> str:
@@ -415,14 +429,17 @@ class EngineLoop:
             handle.finished_at = at
             handle.enter("finished", at)
             self._recent.append(handle)
+            lp = self._logprobs.pop(request_id, None)
             ended.append((handle, (new, text, result.finish_reason),
-                          RequestOutput(result.prompt_ids, result.token_ids, full, result.finish_reason)))
+                          RequestOutput(result.prompt_ids, result.token_ids, full, result.finish_reason,
+                                        None if lp is None else lp[:len(result.token_ids)])))
         with self.hub.publish():
             for handle, end, output in ended:
                 handle.finish(end, output)
 
     def _fail(self, handle: RequestHandle, error: BaseException) -> None:
         self._handles.pop(handle.request_id, None)
+        self._logprobs.pop(handle.request_id, None)
         self._detok.pop(handle.request_id, None)
         self._stops.pop(handle.request_id, None)
         self._seeds.pop(handle.request_id, None)

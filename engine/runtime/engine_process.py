@@ -220,12 +220,13 @@ class RemoteLLM:
                         request_id, message = body
                         self._handles.pop(request_id).fail(ValueError(message))
                     elif kind == "events":
-                        for request_id, tokens, texts, end, output, error in body[0]:
+                        for request_id, tokens, texts, logprobs, end, output, error in body[0]:
                             handle = self._handles[request_id]
-                            handle.deliver(tokens, texts)
+                            handle.deliver(tokens, texts, logprobs)
                             if end is not None:
-                                token_ids, text, reason = output
-                                handle.finish(end, RequestOutput(handle.prompt_token_ids, token_ids, text, reason))
+                                token_ids, text, reason, all_logprobs = output
+                                handle.finish(end, RequestOutput(handle.prompt_token_ids, token_ids, text, reason,
+                                                                 all_logprobs))
                             if error is not None:
                                 handle.fail(EngineProcessError(error))
                             if handle.done:
@@ -327,7 +328,8 @@ class Forwarder:
         self.send(("stats", ticket, stats))
 
     def forward(self) -> None:
-        """After each step: (id, new tokens, new texts, end, output, error) of every request that moved."""
+        """After each step: (id, new tokens, new texts, new logprobs, end, output, error) of every request
+        that moved."""
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self.stopping or self._any_news(), FORWARD_POLL_S)
@@ -335,7 +337,7 @@ class Forwarder:
                     return
                 updates = []
                 for request_id, (handle, sent) in list(self.live.items()):
-                    tokens, texts, done = handle.handed_over(sent[0])
+                    tokens, texts, logprobs, done = handle.handed_over(sent[0])
                     if not tokens and not done:
                         continue
                     sent[0] += len(tokens)
@@ -346,8 +348,8 @@ class Forwarder:
                         if failure is not None or out is None:
                             error = f"{type(failure).__name__}: {failure}"
                         else:
-                            end, output = final, (out.token_ids, out.text, out.finish_reason)
-                    updates.append((request_id, tokens, texts, end, output, error))
+                            end, output = final, (out.token_ids, out.text, out.finish_reason, out.logprobs)
+                    updates.append((request_id, tokens, texts, logprobs, end, output, error))
             if updates:
                 try:
                     self.send(("events", updates))

@@ -76,13 +76,13 @@ class LLM:
             check_vocab_fits(self.tokenizer, config)
         self.config, self.backend = config, b
         self.model: Model = load_model(model_dir, b, settings.max_context)
-        self.runner = ModelRunner(self.model, settings, model_dir)
+        eos = set(config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+        self.runner = ModelRunner(self.model, settings, model_dir, self.tokenizer, eos)
         self.engine_config = self.runner.engine_config     # as the cache left it (contiguous: its slots)
         self.cache, self.decode_graphs = self.runner.cache, self.runner.decode_graphs
         self.last_step_log: list[StepRecord] = []
         # The finish rule lives in the scheduler alone; the tokenizer's eos (a chat model's end of turn)
-        # stops a request as well as the config's.
-        eos = set(config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+        # stops a request as well as the config's (`eos` above).
         self._engine = EngineLoop(self.runner, self.engine_config, self.tokenizer, eos)
 
     # the settings, as plain attributes (chapters and tests read them)

@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.model.forward_pass import ForwardBatch, Model
 from engine.model.kv_cache import KVCache, kv_bytes_per_token
+from engine.ops.logits_processing import process_logits, token_logprobs
 from engine.ops.sampling import SampledTokens, start_sampling
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.draft_model import DraftModelProposer
@@ -31,6 +32,7 @@ from engine.runtime.engine_config import EngineConfig
 from engine.runtime.sampling_params import step_uniforms
 from engine.runtime.scheduler import Batch, Row, Scheduler, StepOutput
 from engine.runtime.speculative import verify_step
+from engine.runtime.structured_outputs import StructuredOutputs
 
 # What the KV pool may take by default: half of the GPU memory free after the weights are loaded
 # (the rest is for activations, the logits and cuBLAS workspaces), 1 GiB of host memory on the CPU.
@@ -97,6 +99,20 @@ class LaunchedStep:
     done: Any = None                    # GPU, no row samples: a cupy.cuda.Event after the step (tokens() waits on it)
     fed: list[Row] | None = None        # the rows `sampled` holds, in order (None: all of `sampling`)
     verify: Any = None                  # speculative decoding: () -> the tokens each verify row yields
+    logprobs: Any = None                # (rows of `fed`, device arrays of token_logprobs) when asked for
+
+    def token_logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
+        """{request id: (the sampled token's logprob, [(id, logprob)] of the asked alternatives)} (after tokens())."""
+        if self.logprobs is None:
+            return {}
+        rows, arrays = self.logprobs
+        chosen, top, top_lp = (a.get() if hasattr(a, "get") else a for a in arrays)
+        fed = self.sampling if self.fed is None else self.fed
+        out = {}
+        for j, r in enumerate(rows):
+            k = fed[r].params.logprobs
+            out[fed[r].request_id] = (float(chosen[j]), [(int(t), float(v)) for t, v in zip(top[j, :k], top_lp[j, :k])])
+        return out
 
     def tokens(self, is_live=None) -> list:
         """The sampled ids, once the step has run: one per sampling row, a list for a verify row.
@@ -118,8 +134,11 @@ class LaunchedStep:
 class ModelRunner:
     """The model, its KV cache and its decode graphs, driven one batch at a time."""
 
-    def __init__(self, model: Model, engine_config: EngineConfig, model_dir=None):
+    def __init__(self, model: Model, engine_config: EngineConfig, model_dir=None, tokenizer=None,
+                 eos_token_ids: set[int] | None = None):
         self.model, self.backend, self.config = model, model.backend, model.config
+        # structured outputs: each constrained request's automaton over the tokenizer's vocabulary
+        self.structured = StructuredOutputs(tokenizer, self.config.vocab_size, eos_token_ids or set())
         self.cache, self.engine_config = self._allocate_cache(engine_config)
         # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
         # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
@@ -183,7 +202,7 @@ class ModelRunner:
         logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
         if logits is None:
             logits = self.model.forward(fb, self.cache)
-        sampled = done = verify = None
+        sampled = done = verify = logprobs = None
         fed = sampling
         if any(row.draft for row in sampling):     # speculative decoding: verify rows read 1 + k positions
             offsets = np.cumsum([0] + [row.num_logits for row in sampling])[:-1]
@@ -194,12 +213,38 @@ class ModelRunner:
             plain = offsets[[i for i, row in enumerate(sampling) if not row.draft]]
             logits = logits[plain if xp is np else xp.asarray(plain)]
         if fed:
+            raw = None
+            if any(getattr(row.params, "processes_logits", False) for row in fed):
+                raw, logits = logits, self._processed(logits, fed)
             uniforms = step_uniforms([seeds[row.request_id] for row in fed], [row.num_generated for row in fed])
-            sampled = start_sampling(logits, [row.params for row in fed], uniforms)
+            # (raw only when processed: a stand-in sampler, engine/bench/host.py's, takes three arguments)
+            sampled = start_sampling(logits, [row.params for row in fed], uniforms, raw) if raw is not None \
+                else start_sampling(logits, [row.params for row in fed], uniforms)
+            asked = [i for i, row in enumerate(fed) if getattr(row.params, "logprobs", None) is not None]
+            if asked:
+                k = max(fed[i].params.logprobs for i in asked)
+                logprobs = (asked, token_logprobs(self.backend.xp, logits if raw is None else raw, asked, sampled.ids, k))
         elif self.backend.is_gpu:
             done = self.backend.xp.cuda.Event(disable_timing=True)
             done.record()
-        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done, fed=fed, verify=verify)
+        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done, fed=fed, verify=verify,
+                            logprobs=logprobs)
+
+    def _processed(self, logits, fed: list[Row]):
+        """The sampling rows' logits after their penalties, logit bias, min-p and structured-output
+        masks (engine/ops/logits_processing.py): a float32 copy, so a graph's output buffer is never
+        written."""
+        xp = self.backend.xp
+        rows, masks = [], {}
+        for i, row in enumerate(fed):
+            params = row.params
+            if not getattr(params, "processes_logits", False):
+                continue
+            prompt, output = row.history or ([], [])
+            rows.append((i, params, prompt, output))
+            if params.structured is not None:
+                masks[i] = self.structured.mask(row.request_id, params.structured, output)
+        return process_logits(xp, logits.astype(xp.float32, copy=True), rows, masks)
 
     def _feedback(self, batch: Batch, previous: LaunchedStep | None):
         """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that
@@ -223,6 +268,7 @@ class ModelRunner:
         """Hand the sampled tokens to the scheduler. A step's `seconds` run from its launch, or from the
         previous completion when steps overlap, so that the seconds of a log add up to its wall time."""
         out = sched.complete(launched.batch.batch_id, tokens)
+        out.logprobs = launched.token_logprobs()
         now = time.perf_counter()
         out.record["seconds"] = now - max(launched.started, self._last_completion)
         self._last_completion = now

@@ -34,6 +34,8 @@ class RequestOutput:
     token_ids: list[int]       # generated tokens (a stopping eos included)
     text: str                  # decoded generated text (special tokens skipped); "" without a tokenizer
     finish_reason: str         # "stop" | "length" | "cancelled"
+    # SamplingParams.logprobs: (logprob, [(id, logprob), ...] alternatives) for each generated token
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 def prepare_prompt(prompt, params, tokenizer, vocab_size: int) -> tuple[list[int], SamplingParams]:
@@ -62,6 +64,7 @@ class StreamEvent:
     text: str                     # new text; a UTF-8 character split over tokens comes out whole
     finished: bool
     finish_reason: str | None     # "stop" | "length" | "cancelled" | None while running
+    logprobs: list | None = None  # SamplingParams.logprobs: one (logprob, alternatives) per token id
 
 
 def wake_all(listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
@@ -135,6 +138,7 @@ class RequestHandle:
         # Written by the producer methods below, under the hub's condition:
         self._tokens: list[int] = []      # token ids handed over so far, one per step
         self._texts: list[str] | None = [] if params.stop else None   # their text (stop strings only)
+        self._logprobs: list | None = [] if getattr(params, "logprobs", None) is not None else None
         self._end: tuple[list[int], str | None, str] | None = None     # final event: tokens, text, reason
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -171,15 +175,19 @@ class RequestHandle:
             error, done = self._error, self.done
         with self._events_lock:             # two readers of one handle share one detokenizer
             events = self._events
+            lps = self._logprobs
             for k in range(len(events), n):
                 token = self._tokens[k]
                 piece = texts[k] if texts is not None else self._push_text([token])
-                events.append(StreamEvent(self.request_id, [token], piece, False, None))
+                events.append(StreamEvent(self.request_id, [token], piece, False, None,
+                                          None if lps is None else lps[k:k + 1]))
             if end is not None and len(events) == n:
                 tokens, known, reason = end
                 text = known if known is not None else \
                     self._push_text(tokens) + (self._detok.flush() if self._detok is not None else "")
-                events.append(StreamEvent(self.request_id, tokens, text, True, reason))
+                out = self._output
+                last = None if lps is None or out is None or out.logprobs is None else out.logprobs[n:n + len(tokens)]
+                events.append(StreamEvent(self.request_id, tokens, text, True, reason, last))
             return events[start:], error, done
 
     def _push_text(self, tokens: list[int]) -> str:
@@ -275,11 +283,14 @@ class RequestHandle:
         self._cancel(self.request_id)
 
     # ---- producer side: call inside the hub's publish() -------------------------------------------
-    def deliver(self, tokens: list[int], texts: list[str] | None = None) -> None:
-        """Hand over new tokens (and, for a request with stop strings, their text)."""
+    def deliver(self, tokens: list[int], texts: list[str] | None = None, logprobs: list | None = None) -> None:
+        """Hand over new tokens (and, for a request with stop strings, their text; for one that asks
+        for log-probabilities, theirs)."""
         self._tokens += tokens
         if texts and self._texts is not None:
             self._texts += texts
+        if logprobs and self._logprobs is not None:
+            self._logprobs += logprobs
         self._hub.wake_later(self._listeners)
 
     def finish(self, end: tuple[list[int], str | None, str], output: RequestOutput) -> None:
@@ -296,10 +307,12 @@ class RequestHandle:
         self._accepted = True
         self._hub.wake_later(self._listeners)
 
-    def handed_over(self, start: int) -> tuple[list[int], list[str] | None, bool]:
-        """(tokens[start:], their texts or None, done): what a forwarder relays (under the hub's condition)."""
+    def handed_over(self, start: int) -> tuple[list[int], list[str] | None, list | None, bool]:
+        """(tokens[start:], their texts or None, their logprobs or None, done): what a forwarder relays
+        (under the hub's condition)."""
         texts = self._texts[start:] if self._texts is not None else None
-        return self._tokens[start:], texts, self.done
+        logprobs = self._logprobs[start:] if self._logprobs is not None else None
+        return self._tokens[start:], texts, logprobs, self.done
 
     def ending(self) -> tuple[tuple | None, RequestOutput | None, BaseException | None]:
         """(final event, output, error) of a finished request (under the hub's condition)."""

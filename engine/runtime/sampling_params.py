@@ -14,6 +14,7 @@ from engine.checks import is_int, is_real
 _INT32_MAX = 2**31 - 1
 _F32_NORMAL = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max))
 _MASK64 = (1 << 64) - 1
+MAX_LOGPROBS = 20       # alternatives per token (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,18 @@ class SamplingParams:
     seed: int | None = None    # same seed, same tokens
     ignore_eos: bool = False   # keep generating past eos (benchmarks)
     stop: tuple[str, ...] = ()  # stop strings: the text ends just before the first one that appears
-
+    # logits processing before the draw (engine/ops/logits_processing.py; OpenAI's and vLLM's names)
+    presence_penalty: float = 0.0     # minus this for every token the output holds already
+    frequency_penalty: float = 0.0    # minus this times its count in the output
+    repetition_penalty: float = 1.0   # a prompt or output token's logit divided by it (times it if negative)
+    min_p: float = 0.0                # drop tokens below min_p times the most likely one's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit); a dict is accepted
+    # structured output: ("regex", pattern) | ("choice", [str, ...]) | ("json_schema", schema) |
+    # ("json_object", None), compiled over the tokenizer's vocabulary (engine/structured/)
+    structured: tuple | None = None
+    # log-probabilities of each generated token (and of the `logprobs` most likely alternatives), from
+    # the model's own distribution: the log-softmax of its logits before any processing or temperature
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -54,16 +66,67 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 0.01, 100.0), ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not is_real(value) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
         normalized = {"max_new_tokens": int(self.max_new_tokens), "temperature": float(self.temperature),
                       "top_k": int(self.top_k), "top_p": float(self.top_p),
                       "seed": None if self.seed is None else int(self.seed), "ignore_eos": bool(self.ignore_eos),
-                      "stop": tuple(stop)}
+                      "stop": tuple(stop), "presence_penalty": float(self.presence_penalty),
+                      "frequency_penalty": float(self.frequency_penalty),
+                      "repetition_penalty": float(self.repetition_penalty), "min_p": float(self.min_p),
+                      "logit_bias": _logit_bias(self.logit_bias), "structured": _structured(self.structured),
+                      "logprobs": None if self.logprobs is None else int(self.logprobs)}
         for name, value in normalized.items():      # plain Python values from here on
             object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Its logits depend on the tokens so far (penalties, a structured output): its rows carry them."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.structured is not None)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything between the model's logits and the draw besides temperature, top-k and top-p."""
+        return self.needs_history or bool(self.logit_bias) or (self.min_p > 0 and not self.greedy)
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} or (id, bias) pairs -> sorted pairs; ids >= 0, biases finite in [-100, 100] (OpenAI's range)."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+        token, bias = pair
+        if not is_int(token) or not 0 <= token <= _INT32_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not is_real(bias) or not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+        out[int(token)] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+STRUCTURED_KINDS = ("regex", "choice", "json_schema", "json_object")
+
+
+def _structured(value) -> tuple | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or value[0] not in STRUCTURED_KINDS:
+        raise ValueError(f"structured must be None or (kind, spec) with kind one of {STRUCTURED_KINDS}, got {value!r}")
+    return (value[0], value[1])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -213,6 +213,9 @@ class Row:
     # speculative decoding: the proposed tokens fed after the row's one known token (a verify row:
     # its logits are read at all 1 + len(draft) positions, and it yields 1 .. 1 + len(draft) tokens)
     draft: list[int] = field(default_factory=list)
+    # (prompt ids, generated ids) when the request's logits depend on its tokens so far (penalties, a
+    # structured output: params.needs_history); such a request's rows never hold a pending token
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def context_len(self) -> int:
@@ -373,6 +376,8 @@ class StepOutput:
     finished: list[Result]           # requests this step finished (eos or length), in row order
     preempted: list[int]             # live requests preempted while this batch was formed
     record: StepRecord
+    # {request id: (logprob, alternatives)} of this step's tokens, for requests that ask (the runner's)
+    logprobs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -418,6 +423,10 @@ class _Request:
     def tokens(self) -> list[int]:
         """prompt + generated (the known tokens)."""
         return self.prompt_ids + self.generated
+
+    @property
+    def needs_history(self) -> bool:
+        return bool(getattr(self.params, "needs_history", False))    # (a learner's params may lack it)
 
     @property
     def num_remaining(self) -> int:
@@ -1085,7 +1094,11 @@ class Scheduler:
         return self.speculative is not None and len(decoding) <= self.speculative.max_batch
 
     def _draft_limit(self, request: _Request) -> int:
-        """Guesses that may still become tokens: max_new_tokens and the context bound them."""
+        """Guesses that may still become tokens: max_new_tokens and the context bound them. A request
+        whose logits depend on its tokens so far gets none (each guess's logits would need its own
+        processing), nor one that asks for log-probabilities (one per step, from its decode row)."""
+        if request.needs_history or getattr(request.params, "logprobs", None) is not None:
+            return 0
         return min(self.speculative.num_tokens if self.speculative else 0,
                    request.max_new_tokens - request.num_sampled - 1, self.max_context - request.num_tokens - 1)
 
@@ -1138,10 +1151,11 @@ class Scheduler:
         for rid in request_ids:
             request = self._requests[rid]
             if request.status != "running" or self._finishes_pending(request) or request.verifying \
-                    or (speculate and request.pending):
+                    or (request.pending and (speculate or request.needs_history)):
                 continue      # preempted for an older request of this step; ends with its pending token;
                               # its verify row is in flight (how many tokens it yields is not known yet);
-                              # or it speculates and sits out the lookahead until its last token is known
+                              # or it speculates, or its logits depend on its last token (penalties, a
+                              # structured output): it sits out the lookahead until that token is known
             chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
             if chunk < 1:
                 break
@@ -1197,7 +1211,8 @@ class Scheduler:
         return Row(request.request_id, tokens + (draft or []), start,
                    self.allocator.page_table(request.request_id), request.params,
                    request.num_sampled, samples=end == request.num_tokens,
-                   kind="decode" if decode else "prefill", copy=copy, draft=list(draft or ()))
+                   kind="decode" if decode else "prefill", copy=copy, draft=list(draft or ()),
+                   history=(request.prompt_ids, list(request.generated)) if request.needs_history else None)
 
     @staticmethod
     def _known_tokens(request: _Request, start: int, end: int) -> list[int]:

@@ -12,17 +12,22 @@ naming the field (ProtocolError from check_supported) instead of being silently 
 accepted only with the value that leaves the answer unchanged:
 
     both endpoints   n (1 .. MAX_N), best_of (null or n: no ranking by log-probability),
-                     logprobs (null or false), top_logprobs (null or 0),
-                     logit_bias (null or {}), presence_penalty and frequency_penalty (null or 0),
-                     repetition_penalty (null or 1), min_p (null or 0), response_format (null or
-                     {"type": "text"}), prompt_logprobs (null), guided_json, guided_regex,
-                     guided_choice, guided_grammar (null)
-    chat             tools and functions (null or []), tool_choice and function_call (null or "none")
+                     prompt_logprobs (null), guided_grammar (null)
+    chat             functions (null or []) and function_call (null or "none"): the older form of
+                     tools and tool_choice, which are served (engine/serve/tools.py)
     completions      echo (false), suffix (null or "")
+
+Structured outputs (engine/structured/, the tokens each step may take masked by an automaton):
+response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}},
+or vLLM's guided_json (a schema), guided_regex, guided_choice; one of them per request.
+
+Served sampling fields (SamplingParams checks their values): presence_penalty and frequency_penalty
+(OpenAI's, over the output), repetition_penalty and min_p (vLLM's), logit_bias ({"token id": bias},
+bias in [-100, 100]); engine/ops/logits_processing.py says what each does to the logits.
 
 Known fields with no effect on the answer are accepted and ignored: user, metadata, store,
 parallel_tool_calls, service_tier, stream_options.continuous_usage_stats (stream_options.include_usage
-is honoured), and a message's name. Unknown fields are accepted and ignored too (clients send vendor
+is honoured). Unknown fields are accepted and ignored too (clients send vendor
 extras), as vLLM does. The "developer" role is OpenAI's newer name for "system" and is rendered as one.
 
 Responses are plain dicts built by the helpers at the bottom, one per object type:
@@ -31,6 +36,7 @@ Responses are plain dicts built by the helpers at the bottom, one per object typ
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -39,7 +45,7 @@ from typing import Annotated, Any, cast
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 TOKEN_ID_LIMIT = 2**31          # token ids: int32 range
@@ -107,6 +113,9 @@ class ChatMessage(BaseModel):
     model_config = _STRICT
     role: str
     content: Content = None
+    tool_calls: list[dict] | None = None      # an assistant's calls (engine/serve/tools.py)
+    tool_call_id: str | None = None           # a "tool" message: the call it answers
+    name: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -157,36 +166,95 @@ class SamplingRequest(BaseModel):
             ("n", 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}] (more choices are not supported), got {self.n}"),
             ("best_of", self.best_of in (None, self.n),
              "best_of must equal n (choosing the best of more by log-probability is not supported)"),
-            ("logprobs", self.logprobs is None or self.logprobs is False, "logprobs are not supported"),
-            ("top_logprobs", self.top_logprobs in (None, 0), "top_logprobs are not supported"),
-            ("logit_bias", not self.logit_bias, "logit_bias is not supported"),
-            ("presence_penalty", self.presence_penalty in (None, 0), "presence_penalty is not supported (only 0)"),
-            ("frequency_penalty", self.frequency_penalty in (None, 0),
-             "frequency_penalty is not supported (only 0)"),
-            ("repetition_penalty", self.repetition_penalty in (None, 1),
-             "repetition_penalty is not supported (only 1)"),
-            ("min_p", self.min_p in (None, 0), "min_p is not supported (only 0)"),
-            ("response_format", self.response_format in (None, {"type": "text"}),
-             "response_format is not supported (only {\"type\": \"text\"})"),
             ("prompt_logprobs", self.prompt_logprobs is None, "prompt_logprobs are not supported"),
-            *((f, getattr(self, f) is None, f"{f} (guided decoding) is not supported")
-              for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")),
+            ("guided_grammar", self.guided_grammar is None,
+             "guided_grammar is not supported (guided_json, guided_regex and guided_choice are)"),
         ])
 
     def sampling_params(self, max_tokens_field: str = "max_tokens") -> SamplingParams:
         """ValueError (a 400) on invalid values: SamplingParams validates them all."""
         max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         stop = [] if self.stop is None else self.stop
+        logprobs = self.wanted_logprobs()     # (ProtocolErrors naming their own fields)
+        structured = self.structured_output()
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                                   top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos,
-                                  stop=stop)  # type: ignore[arg-type]  # SamplingParams takes a str or list and stores a tuple
+                                  stop=stop,  # type: ignore[arg-type]  # SamplingParams takes a str or list, stores a tuple
+                                  presence_penalty=self.presence_penalty or 0.0,
+                                  frequency_penalty=self.frequency_penalty or 0.0,
+                                  repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                                  min_p=self.min_p or 0.0, logit_bias=tuple(self._logit_bias()),
+                                  logprobs=logprobs, structured=structured)
         except ValueError as exc:
             message = str(exc)
-            param = next((f for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
-                          if message.startswith(f)), None)
+            param = next((f for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                                      "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                      "logit_bias") if message.startswith(f)), None)
             raise ProtocolError(message.replace("max_new_tokens", max_tokens_field),
                                 "max_tokens" if param == "max_new_tokens" else param) from None
+
+    def wanted_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many alternatives per token. Completions: `logprobs`
+        is that number; chat (below): `logprobs: true` and `top_logprobs`."""
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if self.logprobs is True:
+            raise ProtocolError("logprobs is a number of alternatives (0 .. 20) on /v1/completions", "logprobs")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ProtocolError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        return self.logprobs
+
+    def _logit_bias(self) -> list[tuple[int, float]]:
+        """OpenAI's {"token id as a string": bias} as (id, bias) pairs (SamplingParams checks the values)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise ProtocolError(f"logit_bias keys must be token ids, got {_short(key)}", "logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ProtocolError(f"logit_bias values must be numbers, got {_short(bias)}", "logit_bias")
+            pairs.append((int(key), float(bias)))
+        return pairs
+
+    def structured_output(self) -> tuple | None:
+        """SamplingParams.structured from `response_format` (OpenAI's json_object and json_schema) or
+        vLLM's guided_json / guided_regex / guided_choice: one of them at most."""
+        asked = [f for f in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, f) is not None and not (f == "response_format" and self.response_format == {"type": "text"})]
+        if len(asked) > 1:
+            raise ProtocolError(f"ask for one structured output at a time, got {' and '.join(asked)}", asked[1])
+        if not asked:
+            return None
+        field, value = asked[0], getattr(self, asked[0])
+        if field == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                return ("json_object", None)
+            if kind == "json_schema":
+                spec = value.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ProtocolError("response_format json_schema needs json_schema.schema, an object", field)
+                return ("json_schema", schema)
+            raise ProtocolError(f"response_format type must be text, json_object or json_schema, got {_short(kind)}",
+                                field)
+        if field == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise ProtocolError("guided_json must be a JSON schema (an object, or a string holding one)",
+                                        field) from None
+            if not isinstance(value, dict):
+                raise ProtocolError("guided_json must be a JSON schema (an object, or a string holding one)", field)
+            return ("json_schema", value)
+        if field == "guided_regex":
+            if not isinstance(value, str) or not value:
+                raise ProtocolError("guided_regex must be a non-empty string", field)
+            return ("regex", value)
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ProtocolError("guided_choice must be a list of non-empty strings", field)
+        return ("choice", list(value))
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
         """The n choices' params: choice i draws with seed + i (mod 2**63), so that n choices equal n
@@ -211,14 +279,25 @@ class ChatCompletionRequest(SamplingRequest):
     def check_supported(self) -> None:
         super().check_supported()
         _refusals([
-            ("tools", not self.tools, "tools are not supported"),
-            ("tool_choice", self.tool_choice in (None, "none"), "tool_choice is not supported (only \"none\")"),
-            ("functions", not self.functions, "functions are not supported"),
+            ("functions", not self.functions, "functions (the API's older form) are not supported: send tools"),
             ("function_call", self.function_call in (None, "none"),
-             "function_call is not supported (only \"none\")"),
+             "function_call (the API's older form) is not supported: send tool_choice"),
         ])
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        """Chat: `logprobs: true` asks for them, `top_logprobs` (0 .. 20) for alternatives too."""
+        if self.logprobs not in (None, True, False):
+            raise ProtocolError("logprobs must be true or false on /v1/chat/completions", "logprobs")
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
+        if not self.logprobs:
+            return None
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        return top
 
     def plain_messages(self) -> list[dict]:
         """Messages as the chat template expects them: text content (OpenAI's content parts joined)."""
@@ -230,7 +309,13 @@ class ChatCompletionRequest(SamplingRequest):
                     raise ProtocolError("only text content parts (with a string text) are supported",
                                         f"messages[{i}].content")
                 content = "".join(p.get("text", "") for p in content)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            for key in ("tool_call_id", "name"):
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
+            out.append(message)
         return out
 
 
@@ -312,30 +397,67 @@ def model_card(name: str, created: int) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "engine"}
 
 
-def chat_completion(rid: str, model: str, answers: list[tuple[str, str]], use: dict) -> dict:
-    """answers: (text, finish reason) of each choice."""
+def token_text(tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token as OpenAI's logprobs show it: its text (a piece of a UTF-8 character shows as U+FFFD)
+    and its bytes."""
+    raw = tokenizer.token_bytes([token]) if tokenizer is not None else b""
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> dict | None:
+    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+    if entries is None:
+        return None
+    content = []
+    for token, (lp, top) in zip(token_ids, entries, strict=True):
+        text, raw = token_text(tokenizer, token)
+        alternatives = []
+        for alt, alt_lp in top:
+            alt_text, alt_raw = token_text(tokenizer, alt)
+            alternatives.append({"token": alt_text, "logprob": alt_lp, "bytes": alt_raw})
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list | None, offset: int = 0) -> dict | None:
+    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob}),
+    text_offset (each token's character offset in the choice's text, from `offset`)."""
+    if entries is None:
+        return None
+    tokens, offsets = [], []
+    for token in token_ids:
+        offsets.append(offset)
+        text = token_text(tokenizer, token)[0]
+        tokens.append(text)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{token_text(tokenizer, t)[0]: v for t, v in top} for _, top in entries],
+            "text_offset": offsets}
+
+
+def chat_completion(rid: str, model: str, answers: list[tuple[dict, str, dict | None]], use: dict) -> dict:
+    """answers: (assistant message, finish reason, logprobs or None) of each choice."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason, "logprobs": None}
-                        for i, (text, finish_reason) in enumerate(answers)],
+            "choices": [{"index": i, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+                        for i, (message, finish_reason, logprobs) in enumerate(answers)],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               use: dict | None = None, index: int = 0) -> dict:
+               use: dict | None = None, index: int = 0, logprobs: dict | None = None) -> dict:
     choices = [] if use is not None and not delta else \
-        [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     if use is not None:
         chunk["usage"] = use
     return chunk
 
 
-def text_completion(rid: str, model: str, created: int, answers: list[tuple[str, str | None]],
+def text_completion(rid: str, model: str, created: int, answers: list[tuple[str, str | None, dict | None]],
                     use: dict | None = None, first_index: int = 0) -> dict:
-    """answers: (text, finish reason or None) of each choice in the body, from first_index on."""
-    choices = [{"index": first_index + i, "text": text, "finish_reason": finish_reason, "logprobs": None}
-               for i, (text, finish_reason) in enumerate(answers)]
+    """answers: (text, finish reason or None, logprobs or None) of each choice in the body, from first_index on."""
+    choices = [{"index": first_index + i, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+               for i, (text, finish_reason, logprobs) in enumerate(answers)]
     body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use

@@ -67,7 +67,9 @@ from starlette.routing import Route
 from engine.backend import BACKENDS
 from engine.runtime.engine_process import EngineProcessError
 from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.structured_outputs import StructuredOutputs
 from engine.serve import protocol as api
+from engine.serve import tools
 from engine.serve.admission import Admission, Keys, Refused, Unauthorized
 from engine.serve.connections import http_protocol
 from engine.serve.metrics import Monitor
@@ -151,6 +153,10 @@ class OpenAIServer:
         self.max_tokens = llm.max_context if max_tokens is None else max_tokens
         self.body_timeout = body_timeout
         self.tokenizer = llm.tokenizer
+        # structured outputs are compiled here first (a bad schema is a 400 before the engine sees it)
+        vocab_size = llm.config.vocab_size if hasattr(llm, "config") else llm.vocab_size    # (RemoteLLM)
+        self._structured = StructuredOutputs(self.tokenizer, vocab_size,
+                                             self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.created = int(time.time())
         queue = max(256, 4 * llm.max_seqs) if max_queue is None else max_queue
         self.admission = Admission(llm.max_seqs, queue, queue // 4 if max_queue_per_client is None
@@ -350,17 +356,20 @@ class OpenAIServer:
             raise ApiError(400, "this model directory has no tokenizer.json: send token ids to /v1/completions")
         return self.tokenizer
 
-    async def _collect(self, request: Request, handle) -> tuple[str, list[int], str]:
-        """Run a request to the end (non-streaming): its text, generated ids, finish reason."""
+    async def _collect(self, request: Request, handle) -> tuple[str, list[int], str, list | None]:
+        """Run a request to the end (non-streaming): its text, generated ids, finish reason, logprobs."""
         watcher = asyncio.create_task(cancel_on_disconnect(request, handle))
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list | None = None
         reason = "cancelled"     # until the final event says otherwise
         try:
             async for batch in handle.astream_batches():
                 for ev in batch:
                     text.append(ev.text)
                     ids.extend(ev.token_ids)
+                    if ev.logprobs is not None:
+                        logprobs = (logprobs or []) + ev.logprobs
                     reason = ev.finish_reason if ev.finished else reason
         except EngineProcessError as exc:      # the engine died under it
             raise self._unavailable(str(exc)) from None
@@ -368,9 +377,9 @@ class OpenAIServer:
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
-        return "".join(text), ids, reason
+        return "".join(text), ids, reason, logprobs
 
-    async def _collect_all(self, request: Request, handles: list) -> list[tuple[str, list[int], str]]:
+    async def _collect_all(self, request: Request, handles: list) -> list[tuple[str, list[int], str, list | None]]:
         """Every choice run to its end, together (n > 1: n requests of the engine)."""
         try:
             return list(await asyncio.gather(*(self._collect(request, h) for h in handles)))
@@ -381,7 +390,7 @@ class OpenAIServer:
 
     def _stream(self, request: Request, handles: list, first: list, piece, last, usage_chunk,
                 ticket: Ticket) -> StreamingResponse:
-        """SSE: the `first` chunks, one chunk per piece of new text of a choice (piece(text, index)), each
+        """SSE: the `first` chunks, one chunk per piece of new text of a choice (piece(text, index, events)), each
         choice's finishing chunk (last(reason, index)), usage, [DONE].
 
         A piece is everything the engine handed over since this stream last woke: one token while the
@@ -420,7 +429,7 @@ class OpenAIServer:
                     n_tokens += sum(len(ev.token_ids) for ev in batch)
                     text = "".join(ev.text for ev in batch)
                     if text or any(ev.token_ids and not ev.finished for ev in batch):   # tokens, no text yet
-                        yield sse(piece(text, index))
+                        yield sse(piece(text, index, batch))
                     if batch[-1].finished:
                         reasons[index] = batch[-1].finish_reason
                 if all(reasons.get(i) in ("stop", "length") for i in range(len(handles))):
@@ -496,30 +505,95 @@ class OpenAIServer:
         body, params = await self._parse(request, api.ChatCompletionRequest)
         tok = self._need_tokenizer()
         try:
-            messages = body.plain_messages()
+            messages = tools.template_messages(body.plain_messages())
+            plan = tools.plan_tools(body.tools, body.tool_choice)
+            if plan.constraint is not None:
+                if params.structured is not None:
+                    raise api.ProtocolError("a forced tool_choice is a structured output of its own: drop "
+                                            "response_format / guided_*", "tool_choice")
+                params = dataclasses.replace(params, structured=plan.constraint)
         except ValueError as exc:    # a ProtocolError
             raise ApiError(400, str(exc), getattr(exc, "param", "messages")) from None
-        prompt_ids = await asyncio.to_thread(
-            self._encode, lambda: tok.apply_chat_template(messages, add_generation_prompt=True), "messages")
+        await self._check_structured(params, "tool_choice" if plan.constraint is not None else "response_format")
+
+        def render():
+            shown = plan.template_tools()
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=shown)
+            if shown and text == tok.apply_chat_template(messages, add_generation_prompt=True):
+                # the template ignores tools: describe them in a system message of its own
+                text = tok.apply_chat_template([{"role": "system", "content": tools.describe_tools(shown)}, *messages],
+                                               add_generation_prompt=True)
+            return text
+        prompt_ids = await asyncio.to_thread(self._encode, render, "messages")
         handles = await self._submit_choices(prompt_ids, body.choice_params(params), "messages", client)
         rid, created, n_prompt = api.new_id("chatcmpl"), int(time.time()), len(prompt_ids)
-        if not body.stream:
-            answers = await self._collect_all(request, handles)
-            return JSONResponse(api.chat_completion(rid, self.model_name,
-                                                    [(text, reason) for text, _, reason in answers],
-                                                    api.usage(n_prompt, sum(len(ids) for _, ids, _ in answers))))
 
-        def chunk(delta, reason=None, use=None, index=0):
-            return api.chat_chunk(rid, self.model_name, created, delta, reason, use, index)
-        return self._stream(request, handles, [chunk({"role": "assistant", "content": ""}, index=i)
-                                               for i in range(len(handles))],
-                            lambda text, i: chunk({"content": text}, index=i),
-                            lambda reason, i: chunk({}, reason, index=i),
+        def message(text: str, reason: str) -> tuple[dict, str]:
+            """The assistant message of an answer, and its finish reason ("tool_calls" for calls)."""
+            calls = plan.calls(text) if reason == "stop" or plan.mode != "auto" else None
+            if calls is None:
+                return {"role": "assistant", "content": text}, reason
+            return {"role": "assistant", "content": None, "tool_calls": tools.tool_call_objects(calls)}, \
+                "tool_calls" if reason == "stop" else reason
+        if not body.stream or plan.mode in ("auto", "required"):   # (calls are known once the answer is)
+            answers = await self._collect_all(request, handles)
+            usage = api.usage(n_prompt, sum(len(ids) for _, ids, _, _ in answers))
+            done = [(*message(text, reason), api.chat_logprobs(tok, ids, lps)) for text, ids, reason, lps in answers]
+            if not body.stream:
+                return JSONResponse(api.chat_completion(rid, self.model_name, done, usage))
+            ticket.release()
+            return self._replay(rid, created, done, usage if body.include_usage else None)
+
+        def chunk(delta, reason=None, use=None, index=0, logprobs=None):
+            return api.chat_chunk(rid, self.model_name, created, delta, reason, use, index, logprobs)
+
+        first = [chunk({"role": "assistant", "content": ""}, index=i) for i in range(len(handles))]
+        if plan.mode == "named":     # the arguments stream as they come
+            first = [chunk({"role": "assistant", "content": None, "tool_calls": [
+                {"index": 0, **tools.tool_call_objects([{"name": plan.named, "arguments": ""}])[0]}]}, index=i)
+                for i in range(len(handles))]
+
+        def piece(text, i, events):
+            lps = api.chat_logprobs(tok, *_event_logprobs(events))
+            if plan.mode == "named":
+                return chunk({"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, index=i, logprobs=lps)
+            return chunk({"content": text}, index=i, logprobs=lps)
+
+        def last(reason, i):
+            return chunk({}, "tool_calls" if plan.mode == "named" and reason == "stop" else reason, index=i)
+        return self._stream(request, handles, first, piece, last,
                             (lambda n: chunk({}, use=api.usage(n_prompt, n))) if body.include_usage else None,
                             ticket)
 
+    def _replay(self, rid: str, created: int, done: list, usage: dict | None) -> StreamingResponse:
+        """A stream of answers already complete (tool calls are known once the whole answer is): for
+        each choice its message as one delta, its finish reason; then usage and [DONE]."""
+        def events():
+            for i, (message, reason, logprobs) in enumerate(done):
+                delta = {k: v for k, v in message.items() if v is not None or k == "content"}
+                if "tool_calls" in delta:
+                    delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
+                yield sse(api.chat_chunk(rid, self.model_name, created, delta, None, None, i, logprobs))
+                yield sse(api.chat_chunk(rid, self.model_name, created, {}, reason, None, i))
+            if usage is not None:
+                yield sse(api.chat_chunk(rid, self.model_name, created, {}, use=usage))
+            yield sse("[DONE]")
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _check_structured(self, params, param: str) -> None:
+        """Compile a structured output's automaton off the event loop (cached by engine/structured):
+        a bad schema or pattern is a 400 before the request reaches the engine."""
+        if params.structured is None:
+            return
+        try:
+            await asyncio.to_thread(self._structured.compile, params.structured)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param) from None
+
     async def _completions(self, request: Request, client: str, ticket: Ticket) -> Response:
         body, params = await self._parse(request, api.CompletionRequest)
+        await self._check_structured(params, "response_format")
         try:
             prompt = body.single_prompt()
         except api.ProtocolError as exc:
@@ -531,18 +605,26 @@ class OpenAIServer:
             prompt_ids = prompt
         handles = await self._submit_choices(prompt_ids, body.choice_params(params), "prompt", client)
         rid, created, n_prompt = api.new_id("cmpl"), int(time.time()), len(prompt_ids)
+        tok = self.tokenizer
         if not body.stream:
             answers = await self._collect_all(request, handles)
-            return JSONResponse(api.text_completion(rid, self.model_name, created,
-                                                    [(text, reason) for text, _, reason in answers],
-                                                    api.usage(n_prompt, sum(len(ids) for _, ids, _ in answers))))
+            return JSONResponse(api.text_completion(
+                rid, self.model_name, created,
+                [(text, reason, api.completion_logprobs(tok, ids, lps)) for text, ids, reason, lps in answers],
+                api.usage(n_prompt, sum(len(ids) for _, ids, _, _ in answers))))
 
-        def chunk(text, reason, index):
-            return api.text_completion(rid, self.model_name, created, [(text, reason)], first_index=index)
+        def chunk(text, reason, index, logprobs=None):
+            return api.text_completion(rid, self.model_name, created, [(text, reason, logprobs)], first_index=index)
 
         def usage_chunk(n):
             return api.text_completion(rid, self.model_name, created, [], api.usage(n_prompt, n))
-        return self._stream(request, handles, [], lambda text, i: chunk(text, None, i),
+        offsets = [0] * len(handles)      # each choice's text so far: where its next token's text starts
+
+        def piece(text, i, events):
+            logprobs = api.completion_logprobs(tok, *_event_logprobs(events), offset=offsets[i])
+            offsets[i] += len(text)
+            return chunk(text, None, i, logprobs)
+        return self._stream(request, handles, [], piece,
                             lambda reason, i: chunk("", reason, i),
                             usage_chunk if body.include_usage else None, ticket)
 
@@ -580,6 +662,13 @@ class OpenAIServer:
                 yield sse(self.monitor.snapshot())
                 await asyncio.sleep(SAMPLE_EVERY_S)
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _event_logprobs(events) -> tuple[list[int], list | None]:
+    """(token ids, their logprobs or None) of a batch of stream events."""
+    if all(ev.logprobs is None for ev in events):
+        return [], None
+    return [t for ev in events for t in ev.token_ids], [e for ev in events for e in (ev.logprobs or [])]
 
 
 def create_app(llm, model_name: str, **limits):
