@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from engine.serve.protocol import ProtocolError
-from engine.serve.tools import parse_calls, plan_tools, template_messages
+pytest.importorskip("pydantic")     # engine.serve's protocol ([serve] extra)
+
+from engine.serve.protocol import ProtocolError  # noqa: E402
+from engine.serve.tools import parse_calls, plan_tools, template_messages  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

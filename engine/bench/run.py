@@ -24,6 +24,8 @@ ceiling (copy bandwidth). Scenarios:
   chat-turns     a --turns-turn conversation with and without prefix caching: time to first token per turn
   spec-decode    batch 1, greedy, a prompt whose answer quotes it and a random one: plain decoding and
            n-gram speculation with each of --spec-k guesses, in the same run (engine/bench/speculative.py)
+  structured     --requests chat requests for a JSON record, free and constrained to a JSON schema, in the
+           same run: output tok/s, answers that parse and conform, mask time (engine/bench/structured.py)
   fair-flood     --requests streaming requests from --room-clients API keys, alone and again just after
            one more key sent --flood-requests at once: the room's time to first token p50/p99 in both
            runs (engine/bench/flood.py)
@@ -59,7 +61,7 @@ from engine.bench.workload import emit, random_prompt, serve_workload, warm_up_r
 from engine.formats.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
-             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood", "spec-decode")
+             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood", "spec-decode", "structured")
 
 
 def device_name(backend) -> str:
@@ -587,6 +589,10 @@ def main(argv=None) -> int:
         from engine.bench.speculative import scenario_spec_decode
         model = None
         scenario_spec_decode(args, setup, model_dir, backend)
+    if "structured" in args.scenario:
+        from engine.bench.structured import scenario_structured
+        model = None
+        scenario_structured(args, setup, model_dir, backend)
     if "fair-flood" in args.scenario:
         from engine.bench.flood import scenario_fair_flood
         model = None

@@ -48,14 +48,13 @@ def process_logits(xp, logits, rows: list[tuple[int, Any, list[int], list[int]]]
     """logits [R, V] (float32, modified in place and returned) after each listed row's processing.
 
     rows: (row index, params, prompt ids, output ids) of the rows that ask for any processing;
-    masks: {row index: bool [V] on the host} for structured outputs."""
+    masks: {row index: bool [V] (on the host or the backend)} for structured outputs."""
     V = logits.shape[1]
     if masks:
         idx = sorted(masks)
-        allowed = np.stack([masks[r][:V] for r in idx])                                     # [M, V]
-        dev = allowed if xp is np else xp.asarray(allowed)
+        allowed = xp.stack([xp.asarray(masks[r])[:V] for r in idx])                          # [M, V]
         sel = np.asarray(idx) if xp is np else xp.asarray(idx)
-        logits[sel] = xp.where(dev, logits[sel], xp.float32(-np.inf))
+        logits[sel] = xp.where(allowed, logits[sel], xp.float32(-np.inf))
     bias_r, bias_t, bias_v = [], [], []
     rep_r, rep_t, rep_f = [], [], []
     pen_r, pen_t, pen_v = [], [], []

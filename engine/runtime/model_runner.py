@@ -138,7 +138,7 @@ class ModelRunner:
                  eos_token_ids: set[int] | None = None):
         self.model, self.backend, self.config = model, model.backend, model.config
         # structured outputs: each constrained request's automaton over the tokenizer's vocabulary
-        self.structured = StructuredOutputs(tokenizer, self.config.vocab_size, eos_token_ids or set())
+        self.structured = StructuredOutputs(tokenizer, self.config.vocab_size, eos_token_ids or set(), self.backend.xp)
         self.cache, self.engine_config = self._allocate_cache(engine_config)
         # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
         # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly

@@ -1148,8 +1148,11 @@ class Scheduler:
         token, then the proposer's guesses)."""
         rows, preempted = [], []
         proposed = self._propose_all(request_ids) if speculate else {}
+        sat_out = 0
         for rid in request_ids:
             request = self._requests[rid]
+            if request.pending and (speculate or request.needs_history) and request.status == "running":
+                sat_out += 1
             if request.status != "running" or self._finishes_pending(request) or request.verifying \
                     or (request.pending and (speculate or request.needs_history)):
                 continue      # preempted for an older request of this step; ends with its pending token;
@@ -1174,6 +1177,10 @@ class Scheduler:
                 rows.append(self._reserve_row(request, chunk, draft=draft))
                 if budget is not None:
                     budget -= chunk + len(draft)
+        if self._in_flight and sat_out and sat_out >= len(rows):
+            # A lookahead without most of the batch would split the decoding requests into two halves
+            # that take turns, each every other step; waiting for the batch in flight keeps them in one.
+            raise _Declined
         return rows, preempted
 
     def _finishes_pending(self, request: _Request) -> bool:

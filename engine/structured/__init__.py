@@ -12,17 +12,17 @@ object" becomes a per-request automaton that says which token ids may come next.
 
 Everything here is CPU-only Python + NumPy; refusals are StructuredError (a ValueError).
 """
-from engine.structured.json_schema import json_object_regex, json_value_regex, schema_to_regex
+from engine.structured.json_schema import json_object_regex, schema_to_regex, schema_to_tree
 from engine.structured.regex_dfa import DFA, StructuredError, compile_regex
 from engine.structured.token_mask import (
-           KINDS,
-           CompiledConstraint,
-           TokenMatcher,
-           TokenVocabulary,
-           compile_constraint,
-           constraint_regex,
+    KINDS,
+    CompiledConstraint,
+    TokenMatcher,
+    TokenVocabulary,
+    compile_constraint,
+    constraint_regex,
 )
 
 __all__ = ["StructuredError", "TokenVocabulary", "CompiledConstraint", "TokenMatcher", "compile_constraint",
            "constraint_regex", "KINDS", "DFA", "compile_regex", "schema_to_regex", "json_object_regex",
-           "json_value_regex"]
+           "schema_to_tree"]

@@ -45,21 +45,20 @@ from engine.structured.regex_dfa import (
     Node,
     Repeat,
     StructuredError,
+    Subsequence,
     anchors,
-    escape,
     literal,
     parse,
     to_regex,
 )
 
-__all__ = ["schema_to_regex", "json_object_regex", "json_value_regex", "int_range_regex", "WHITESPACE",
-           "ANY_VALUE_DEPTH", "JSON_OBJECT_DEPTH"]
+__all__ = ["schema_to_tree", "schema_to_regex", "json_object_tree", "json_object_regex", "json_value_tree",
+           "int_range_regex", "WHITESPACE", "ANY_VALUE_DEPTH", "JSON_OBJECT_DEPTH"]
 
 WHITESPACE = r"(?: |\n {0,16})?"
 ANY_VALUE_DEPTH = 3
 JSON_OBJECT_DEPTH = ANY_VALUE_DEPTH + 1
 MAX_SCHEMA_DEPTH = 64                  # nested schema objects (the converter recurses on them)
-MAX_SCHEMA_REGEX_CHARS = 2_000_000     # the generated regex (a $ref used twice per level doubles it)
 
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'     # one character of a JSON string
 STRING = f'"{STRING_CHAR}*"'
@@ -99,45 +98,61 @@ SUPPORTED = {
 }
 
 
-def _alt(options) -> str:
-    options = list(dict.fromkeys(options))          # drop repeats, keep the order
-    return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
+# ---- building trees ------------------------------------------------------------------------------
+# Fragments of trusted regex text (whitespace, a string, a number) are parsed once and shared;
+# structure is assembled as tree nodes, so nothing is re-parsed and objects can use Subsequence.
+@functools.lru_cache(maxsize=1024)
+def _p(text: str) -> Node:
+    return parse(text, max_chars=1 << 20)
+
+
+def _seq(*parts: str | Node) -> Node:
+    items = tuple(_p(part) if isinstance(part, str) else part for part in parts)
+    return items[0] if len(items) == 1 else Concat(items)
+
+
+def _alt(options) -> Node:
+    options = list(options)
+    return options[0] if len(options) == 1 else Alt(tuple(options))
+
+
+def _optional(node: Node) -> Node:
+    return Repeat(node, 0, 1)
 
 
 # ---- any JSON value ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=32)
-def json_value_regex(depth: int = ANY_VALUE_DEPTH, whitespace: str = WHITESPACE) -> str:
+def json_value_tree(depth: int = ANY_VALUE_DEPTH, whitespace: str = WHITESPACE) -> Node:
     """Any JSON value with at most `depth` levels of nested containers (0: scalars only)."""
-    scalars = f"{STRING}|{NUMBER}|true|false|null"
+    scalars = _p(f"{STRING}|{NUMBER}|true|false|null")
     if depth <= 0:
-        return f"(?:{scalars})"
-    inner = json_value_regex(depth - 1, whitespace)
-    return f"(?:{scalars}|{_map_regex(inner, whitespace)}|{_array_regex(inner, 0, None, whitespace)})"
+        return scalars
+    inner = json_value_tree(depth - 1, whitespace)
+    return Alt((scalars, _map(inner, whitespace), _array(inner, 0, None, whitespace)))
 
 
 @functools.lru_cache(maxsize=32)
-def json_object_regex(depth: int = JSON_OBJECT_DEPTH, whitespace: str = WHITESPACE) -> str:
+def json_object_tree(depth: int = JSON_OBJECT_DEPTH, whitespace: str = WHITESPACE) -> Node:
     """json_object mode: any JSON object, containers nested at most `depth` levels (the object itself counts)."""
-    return _map_regex(json_value_regex(depth - 1, whitespace), whitespace)
+    return _map(json_value_tree(depth - 1, whitespace), whitespace)
 
 
-def _map_regex(value: str, ws: str) -> str:
+def json_object_regex(depth: int = JSON_OBJECT_DEPTH, whitespace: str = WHITESPACE) -> str:
+    return to_regex(json_object_tree(depth, whitespace))
+
+
+def _map(value: Node, ws: str) -> Node:
     """An object with any string keys, each value matching `value`."""
-    member = f"{STRING}{ws}:{ws}{value}"
-    return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*{ws})?\}}"
+    member = _seq(STRING, ws, ":", ws, value)
+    return _seq(r"\{", ws, _optional(_seq(member, Repeat(_seq(ws, ",", ws, member), 0, None), ws)), r"\}")
 
 
-def _array_regex(item: str, lo: int, hi: int | None, ws: str) -> str:
+def _array(item: Node, lo: int, hi: int | None, ws: str) -> Node:
     """An array of lo..hi items (hi None: unbounded), each matching `item`."""
     if hi == 0:
-        return rf"\[{ws}\]"
-    rest_hi = "" if hi is None else str(hi - 1)
-    body = f"{item}(?:{ws},{ws}{item}){{{max(lo - 1, 0)},{rest_hi}}}"
-    if lo == 0:
-        body = f"(?:{body}{ws})?"
-    else:
-        body = f"{body}{ws}"
-    return rf"\[{ws}{body}\]"
+        return _seq(r"\[", ws, r"\]")
+    body = _seq(item, Repeat(_seq(ws, ",", ws, item), max(lo - 1, 0), None if hi is None else hi - 1), ws)
+    return _seq(r"\[", ws, body if lo > 0 else _optional(body), r"\]")
 
 
 # ---- integer ranges ------------------------------------------------------------------------------
@@ -151,7 +166,7 @@ def int_range_regex(lo: int | None, hi: int | None) -> str:
         options.append("-" + _magnitudes(magnitude_lo, None if lo is None else -lo))
     if hi is None or hi >= 0:
         options.append(_magnitudes(0 if lo is None else max(lo, 0), hi))
-    return _alt(options)
+    return _alt_text(options)
 
 
 def _magnitudes(lo: int, hi: int | None) -> str:
@@ -167,7 +182,7 @@ def _magnitudes(lo: int, hi: int | None) -> str:
         options.append(f"[1-9][0-9]{{{lo_digits},}}")
     if any(len(o) > 50_000 for o in options) or lo_digits > MAX_REPEAT:
         raise StructuredError("integer bounds with too many digits")
-    return _alt(options)
+    return _alt_text(options)
 
 
 def _same_length(a: str, b: str) -> str:
@@ -190,7 +205,11 @@ def _same_length(a: str, b: str) -> str:
         options.append(f"[{first}-{last}][0-9]{{{k}}}" if first < last else f"{first}[0-9]{{{k}}}")
     if b[1:] != "9" * k:                              # b's leading digit, the rest up to b[1:]
         options.append(b[0] + _group(_same_length("0" * k, b[1:])))
-    return _alt(options)
+    return _alt_text(options)
+
+
+def _alt_text(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
 
 
 def _group(regex: str) -> str:
@@ -224,6 +243,8 @@ def _json_spelled(node: Node) -> Node:
         return Concat(tuple(_json_spelled(item) for item in node.items))
     if isinstance(node, Alt):
         return Alt(tuple(_json_spelled(option) for option in node.options))
+    if isinstance(node, Subsequence):
+        return Subsequence(tuple(_json_spelled(item) for item in node.items), node.required, _json_spelled(node.separator))
     return Repeat(_json_spelled(node.node), node.min, node.max)
 
 
@@ -231,56 +252,55 @@ def _either_case(c: str) -> Chars:
     return Chars(tuple(sorted({(ord(c), ord(c)), (ord(c.upper()), ord(c.upper()))})))
 
 
-def _pattern_string(pattern: str, where: str) -> str:
+def _pattern_string(pattern: str, where: str) -> Node:
     """JSON Schema `pattern`: a search, so each unanchored end may have any characters around the match."""
     try:
         tree = parse(pattern)
     except StructuredError as e:
         raise StructuredError(f"{where}: pattern: {e}") from None
     at_start, at_end = anchors(pattern)
-    body = to_regex(_json_spelled(tree))
-    return '"' + ("" if at_start else f"{STRING_CHAR}*") + f"(?:{body})" + ("" if at_end else f"{STRING_CHAR}*") + '"'
+    any_chars = Repeat(_p(STRING_CHAR), 0, None)
+    return _seq('"', *([] if at_start else [any_chars]), _json_spelled(tree), *([] if at_end else [any_chars]), '"')
 
 
 # ---- the converter -------------------------------------------------------------------------------
-def schema_to_regex(schema, whitespace: str = WHITESPACE) -> str:
-    """A JSON schema (a dict, or True for any value) as a regex over its instances' JSON text."""
+def schema_to_tree(schema, whitespace: str = WHITESPACE) -> Node:
+    """A JSON schema (a dict, or True for any value) as a regex tree over its instances' JSON text."""
     return _Converter(schema, whitespace).convert(schema, "#", 0)
+
+
+def schema_to_regex(schema, whitespace: str = WHITESPACE) -> str:
+    """The same as regex text (objects with many optional properties spell out quadratically)."""
+    return to_regex(schema_to_tree(schema, whitespace))
 
 
 class _Converter:
     def __init__(self, root, whitespace: str):
         self.root, self.ws = root, whitespace
         self.expanding: list[int] = []       # ids of the $ref targets being expanded (recursion check)
-        self.refs: dict[int, str] = {}       # target id -> its regex (a $ref used twice is converted once)
+        self.refs: dict[int, Node] = {}      # target id -> its tree (a $ref used twice is converted once)
 
-    def convert(self, schema, where: str, depth: int) -> str:
+    def convert(self, schema, where: str, depth: int) -> Node:
         if depth > MAX_SCHEMA_DEPTH:
             raise StructuredError(f"{where}: schema nested deeper than {MAX_SCHEMA_DEPTH}")
-        regex = self._convert(schema, where, depth + 1)
-        if len(regex) > MAX_SCHEMA_REGEX_CHARS:
-            raise StructuredError(f"{where}: the schema's regex is over {MAX_SCHEMA_REGEX_CHARS:,} characters")
-        return regex
-
-    def _convert(self, schema, where: str, depth: int) -> str:
         if schema is True:
-            return json_value_regex(ANY_VALUE_DEPTH, self.ws)
+            return json_value_tree(ANY_VALUE_DEPTH, self.ws)
         if schema is False:
             raise StructuredError(f"{where}: the schema false matches nothing")
         if not isinstance(schema, dict):
             raise StructuredError(f"{where}: a schema must be an object or a boolean, got {type(schema).__name__}")
         keys = set(schema) - ANNOTATIONS
         if "$ref" in keys:
-            return self.ref(schema, keys, where, depth)
+            return self.ref(schema, keys, where, depth + 1)
         for combinator in ("anyOf", "oneOf", "allOf"):
             if combinator in keys:
-                return self.combination(schema, keys, combinator, where, depth)
+                return self.combination(schema, keys, combinator, where, depth + 1)
         if "enum" in keys or "const" in keys:
             return self.values(schema, keys, where)
         types = self.types(schema, keys, where)
-        return _alt(self.typed(schema, t, where, depth) for t in types)
+        return _alt(self.typed(schema, t, where, depth + 1) for t in types)
 
-    def ref(self, schema: dict, keys: set, where: str, depth: int) -> str:
+    def ref(self, schema: dict, keys: set, where: str, depth: int) -> Node:
         if keys != {"$ref"}:
             raise StructuredError(f"{where}: keywords next to $ref are not supported: {sorted(keys - {'$ref'})}")
         ref = schema["$ref"]
@@ -305,7 +325,7 @@ class _Converter:
                 self.expanding.pop()
         return self.refs[id(target)]
 
-    def combination(self, schema: dict, keys: set, combinator: str, where: str, depth: int) -> str:
+    def combination(self, schema: dict, keys: set, combinator: str, where: str, depth: int) -> Node:
         branches = schema[combinator]
         if keys != {combinator}:
             raise StructuredError(f"{where}: keywords next to {combinator} are not supported: "
@@ -318,7 +338,7 @@ class _Converter:
             return self.convert(branches[0], f"{where}/allOf/0", depth)
         return _alt(self.convert(b, f"{where}/{combinator}/{i}", depth) for i, b in enumerate(branches))
 
-    def values(self, schema: dict, keys: set, where: str) -> str:
+    def values(self, schema: dict, keys: set, where: str) -> Node:
         """enum / const (both: the enum values equal to the const), filtered by `type` if given."""
         others = keys - {"enum", "const", "type"}
         if others:
@@ -335,16 +355,18 @@ class _Converter:
             raise StructuredError(f"{where}: enum/const leaves no value")
         return _alt(self.value_literal(v) for v in values)
 
-    def value_literal(self, value) -> str:
+    def value_literal(self, value) -> Node:
+        """One JSON value, spelled as json.dumps(ensure_ascii=False) does, with WHITESPACE between tokens."""
         ws = self.ws
-        if isinstance(value, dict):
-            members = [f"{escape(json.dumps(k, ensure_ascii=False))}{ws}:{ws}{self.value_literal(v)}"
-                       for k, v in value.items()]
-            return rf"\{{{ws}" + f"{ws},{ws}".join(members) + (ws if members else "") + r"\}"
-        if isinstance(value, list):
-            items = [self.value_literal(v) for v in value]
-            return rf"\[{ws}" + f"{ws},{ws}".join(items) + (ws if items else "") + r"\]"
-        return escape(json.dumps(value, ensure_ascii=False))
+        if isinstance(value, (dict, list)):
+            parts = [_seq(literal(json.dumps(k, ensure_ascii=False)), ws, ":", ws, self.value_literal(v))
+                     for k, v in value.items()] if isinstance(value, dict) else [self.value_literal(v) for v in value]
+            joined: list[str | Node] = []
+            for i, part in enumerate(parts):
+                joined += [ws, ",", ws, part] if i else [part]
+            open_, close = (r"\{", r"\}") if isinstance(value, dict) else (r"\[", r"\]")
+            return _seq(open_, ws, *joined, *([ws] if parts else []), close)
+        return literal(json.dumps(value, ensure_ascii=False))
 
     def types(self, schema: dict, keys: set, where: str) -> list[str]:
         """The instance types the schema allows, in TYPES order; inferred from the keywords when `type` is absent."""
@@ -368,9 +390,9 @@ class _Converter:
                     raise StructuredError(f"{where}: keyword {key!r} is not supported (for type {t!r})")
         return [t for t in TYPES if t in names]
 
-    def typed(self, schema: dict, t: str, where: str, depth: int) -> str:
+    def typed(self, schema: dict, t: str, where: str, depth: int) -> Node:
         if t == "any":
-            return json_value_regex(ANY_VALUE_DEPTH, self.ws)
+            return json_value_tree(ANY_VALUE_DEPTH, self.ws)
         if t == "object":
             return self.object(schema, where, depth)
         if t == "array":
@@ -379,9 +401,9 @@ class _Converter:
             return self.string(schema, where)
         if t == "integer":
             return self.integer(schema, where)
-        return {"number": NUMBER, "boolean": "(?:true|false)", "null": "null"}[t]
+        return _p({"number": NUMBER, "boolean": "true|false", "null": "null"}[t])
 
-    def object(self, schema: dict, where: str, depth: int) -> str:
+    def object(self, schema: dict, where: str, depth: int) -> Node:
         ws = self.ws
         properties = schema.get("properties")
         required = schema.get("required", [])
@@ -392,21 +414,24 @@ class _Converter:
             if required:
                 raise StructuredError(f"{where}: required without properties is not supported")
             if additional is False:
-                return rf"\{{{ws}\}}"
-            value = json_value_regex(ANY_VALUE_DEPTH, ws) if additional is True else \
+                return _seq(r"\{", ws, r"\}")
+            value = json_value_tree(ANY_VALUE_DEPTH, ws) if additional is True else \
                 self.convert(additional, f"{where}/additionalProperties", depth)
-            return _map_regex(value, ws)
+            return _map(value, ws)
         if not isinstance(properties, dict):
             raise StructuredError(f"{where}: properties must be an object")
         missing = [r for r in required if r not in properties]
         if missing:
             raise StructuredError(f"{where}: required properties missing from properties are not supported: {missing}")
-        members = [(f"{escape(json.dumps(name, ensure_ascii=False))}{ws}:{ws}"
-                    + self.convert(sub, f"{where}/properties/{name}", depth), name in required)
-                   for name, sub in properties.items()]
-        return rf"\{{{ws}{_members(members, ws)}\}}"
+        if not properties:
+            return _seq(r"\{", ws, r"\}")
+        members = tuple(_seq(literal(json.dumps(name, ensure_ascii=False)), ws, ":", ws,
+                             self.convert(sub, f"{where}/properties/{name}", depth))
+                        for name, sub in properties.items())
+        body = _seq(Subsequence(members, tuple(name in required for name in properties), _seq(ws, ",", ws)), ws)
+        return _seq(r"\{", ws, body if required else _optional(body), r"\}")
 
-    def array(self, schema: dict, where: str, depth: int) -> str:
+    def array(self, schema: dict, where: str, depth: int) -> Node:
         items = schema.get("items", True)
         if isinstance(items, list):
             raise StructuredError(f"{where}: items as a list (tuple validation) is not supported")
@@ -418,10 +443,9 @@ class _Converter:
         for name, n in (("minItems", lo), ("maxItems", hi)):
             if n is not None and n > MAX_REPEAT + 1:
                 raise StructuredError(f"{where}: {name} over {MAX_REPEAT + 1} is not supported")
-        item = self.convert(items, f"{where}/items", depth)
-        return _array_regex(item, lo, hi, self.ws)
+        return _array(self.convert(items, f"{where}/items", depth), lo, hi, self.ws)
 
-    def string(self, schema: dict, where: str) -> str:
+    def string(self, schema: dict, where: str) -> Node:
         lo, hi = _count(schema, "minLength", where, 0), _count(schema, "maxLength", where, None)
         fmt, pattern = schema.get("format"), schema.get("pattern")
         if (fmt is not None or pattern is not None) and (lo or hi is not None or (fmt is not None and pattern is not None)):
@@ -430,7 +454,7 @@ class _Converter:
         if fmt is not None:
             if fmt not in FORMATS:
                 raise StructuredError(f"{where}: format {fmt!r} is not supported (supported: {sorted(FORMATS)})")
-            return f'"{FORMATS[fmt]}"'
+            return _p(f'"{FORMATS[fmt]}"')
         if pattern is not None:
             if not isinstance(pattern, str):
                 raise StructuredError(f"{where}: pattern must be a string")
@@ -441,10 +465,10 @@ class _Converter:
             if n is not None and n > MAX_REPEAT:
                 raise StructuredError(f"{where}: {name} over {MAX_REPEAT} is not supported")
         if lo == 0 and hi is None:
-            return STRING
-        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+            return _p(STRING)
+        return _seq('"', Repeat(_p(STRING_CHAR), lo, hi), '"')
 
-    def integer(self, schema: dict, where: str) -> str:
+    def integer(self, schema: dict, where: str) -> Node:
         lo = hi = None
         for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
             bound = schema.get(key)
@@ -461,28 +485,11 @@ class _Converter:
             else:
                 hi = _tighter(hi, math.ceil(bound) - 1, min)
         if lo is None and hi is None:
-            return INTEGER
+            return _p(INTEGER)
         try:
-            return int_range_regex(lo, hi)
+            return parse(int_range_regex(lo, hi), max_chars=1 << 20)
         except StructuredError as e:
             raise StructuredError(f"{where}: {e}") from None
-
-
-def _members(members: list[tuple[str, bool]], ws: str) -> str:
-    """Object members in order, each required or optional, separated by commas, then closing space.
-
-    Which member comes first decides where the commas go, so the regex is an alternation over the
-    first member present (it must come at or before the first required one); after it, each member
-    is `WS,WS member`, optional or not. Empty object allowed only if nothing is required."""
-    first_required = next((i for i, (_, req) in enumerate(members) if req), None)
-    options = []
-    last_first = first_required if first_required is not None else len(members) - 1
-    for k in range(last_first + 1):
-        tail = "".join(f"{ws},{ws}{m}" if req else f"(?:{ws},{ws}{m})?" for m, req in members[k + 1:])
-        options.append(f"{members[k][0]}{tail}{ws}")
-    if first_required is None:
-        options.append("")
-    return _alt(options) if options else ""
 
 
 def _count(schema: dict, key: str, where: str, default):

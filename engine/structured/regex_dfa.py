@@ -32,15 +32,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["StructuredError", "DFA", "compile_regex", "build_dfa", "parse", "to_regex", "escape", "anchors", "utf8_sequences",
-           "Chars", "Concat", "Alt", "Repeat", "Node", "MAX_PATTERN_CHARS", "MAX_REPEAT", "MAX_DFA_STATES"]
+__all__ = ["StructuredError", "DFA", "compile_regex", "build_dfa", "parse", "to_regex", "escape", "anchors",
+           "utf8_sequences", "Chars", "Concat", "Alt", "Repeat", "Subsequence", "Node", "literal",
+           "MAX_PATTERN_CHARS", "MAX_REPEAT", "MAX_DFA_STATES"]
 
 MAX_PATTERN_CHARS = 10_000      # a request's regex; generated ones (JSON schemas) pass their own limit
 MAX_REPEAT = 1000               # the largest m or n of {m,n}
 MAX_GROUP_DEPTH = 100           # nested groups (the parser and the tree walks recurse on them)
 MAX_NFA_STATES = 300_000        # what the tree expands to, counted before building it
 MAX_DFA_STATES = 20_000         # the subset construction stops (and refuses) past this many states
-MAX_SUBSET_WORK = 30_000_000    # NFA states and edges the subset construction may visit in all
+MAX_SUBSET_WORK = 10_000_000    # NFA states and moves the subset construction may visit in all
 MAX_MINIMIZE_WORK = 5_000_000   # rows x rounds of Moore's refinement; past it the DFA stays unminimized
 
 MAX_CODE_POINT = 0x10FFFF
@@ -51,30 +52,45 @@ class StructuredError(ValueError):
 
 
 # ---- the syntax tree ---------------------------------------------------------------------------
-@dataclass(frozen=True)
+# Nodes compare and hash by identity (eq=False): a schema's tree shares subtrees (a $ref used twice),
+# and a deep comparison or hash of one would walk them all.
+@dataclass(frozen=True, eq=False)
 class Chars:
     """One character out of a set of code points: sorted, disjoint, non-adjacent (lo, hi) ranges."""
     ranges: tuple[tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Concat:
     items: tuple[Node, ...]          # () is the empty string
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Alt:
     options: tuple[Node, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Repeat:
     node: Node
     min: int
     max: int | None                  # None: unbounded
 
 
-Node = Chars | Concat | Alt | Repeat
+@dataclass(frozen=True, eq=False)
+class Subsequence:
+    """A non-empty subsequence of `items`, in order, joined by `separator`; the required ones must
+    be in it. JSON object members are this: `"a":1,"c":3` out of optional a, b, c.
+
+    No regex operator says it in linear size: where the commas go depends on which member comes
+    first, so the regex text (`to_regex`) is an alternation over that first member, each with its
+    own copy of the rest (quadratic). The NFA needs no copies (`_NFA.build`)."""
+    items: tuple[Node, ...]
+    required: tuple[bool, ...]
+    separator: Node
+
+
+Node = Chars | Concat | Alt | Repeat | Subsequence
 
 
 def _normalize(ranges) -> tuple[tuple[int, int], ...]:
@@ -378,10 +394,15 @@ def _unescaped_at_end(text: str) -> bool:
 _META = set("\\.^$|?*+()[]{}")
 
 
+_PRINTED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
 def _char_text(code: int, in_class: bool) -> str:
     c = chr(code)
-    if code < 0x20 or code == 0x7F or 0xD800 <= code <= 0xDFFF:
-        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if c in _PRINTED_ESCAPES:
+        return _PRINTED_ESCAPES[c]
+    if not c.isprintable():          # controls, unassigned and private-use code points, surrogates
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
     if (in_class and c in "\\]^-[") or (not in_class and c in _META):
         return "\\" + c
     return c
@@ -403,14 +424,33 @@ def to_regex(node: Node) -> str:
                        for lo, hi in node.ranges)
         return f"[{body}]"
     if isinstance(node, Concat):
-        return "".join(f"(?:{to_regex(item)})" if isinstance(item, Alt) else to_regex(item) for item in node.items)
+        return "".join(f"(?:{to_regex(item)})" if isinstance(item, (Alt, Subsequence)) else to_regex(item)
+                       for item in node.items)
     if isinstance(node, Alt):
         return "|".join(to_regex(option) for option in node.options)
+    if isinstance(node, Subsequence):
+        return to_regex(_subsequence_as_alternation(node))
     inner = to_regex(node.node)
     if not isinstance(node.node, Chars):          # one character or one [class] needs no group
         inner = f"(?:{inner})"
-    hi = "" if node.max is None else str(node.max)
-    return f"{inner}{{{node.min},{hi}}}"
+    short = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((node.min, node.max))
+    if short:
+        return inner + short
+    if node.min == node.max:
+        return f"{inner}{{{node.min}}}"
+    return f"{inner}{{{node.min},{'' if node.max is None else node.max}}}"
+
+
+def _subsequence_as_alternation(node: Subsequence) -> Node:
+    """The same language without Subsequence: an alternation over the first item present."""
+    options: list[Node] = []
+    for k, (item, required) in enumerate(zip(node.items, node.required)):
+        rest: list[Node] = [Concat((node.separator, other)) if req else Repeat(Concat((node.separator, other)), 0, 1)
+                            for other, req in zip(node.items[k + 1:], node.required[k + 1:])]
+        options.append(Concat((item, *rest)))
+        if required:
+            break
+    return options[0] if len(options) == 1 else Alt(tuple(options))
 
 
 # ---- code points -> UTF-8 byte sequences ---------------------------------------------------------
@@ -460,16 +500,26 @@ def _split_point(lo: int, hi: int) -> int | None:
 
 
 # ---- the NFA -----------------------------------------------------------------------------------
-def nfa_size(node: Node) -> int:
-    """The NFA states `node` expands to (repetitions multiply), to refuse before building."""
+def nfa_size(node: Node, memo: dict[int, int] | None = None) -> int:
+    """The NFA states `node` expands to (repetitions multiply), to refuse before building. Shared
+    subtrees are counted once per use but computed once (a tree can be a DAG of exponential size)."""
+    memo = {} if memo is None else memo
+    key = id(node)
+    if key in memo:
+        return memo[key]
     if isinstance(node, Chars):
-        return sum(len(seq) + 1 for lo, hi in node.ranges for seq in utf8_sequences(lo, hi)) + 1
-    if isinstance(node, Concat):
-        return sum(nfa_size(item) for item in node.items) + len(node.items) + 1
-    if isinstance(node, Alt):
-        return sum(nfa_size(option) for option in node.options)
-    copies = node.max if node.max is not None else node.min + 1
-    return (nfa_size(node.node) + 2) * max(copies, 1) + 2
+        size = sum(len(seq) + 1 for lo, hi in node.ranges for seq in utf8_sequences(lo, hi)) + 1
+    elif isinstance(node, Concat):
+        size = sum(nfa_size(item, memo) for item in node.items) + len(node.items) + 1
+    elif isinstance(node, Alt):
+        size = sum(nfa_size(option, memo) for option in node.options)
+    elif isinstance(node, Subsequence):
+        size = sum(2 * nfa_size(item, memo) + 3 for item in node.items) + len(node.items) * nfa_size(node.separator, memo)
+    else:
+        copies = node.max if node.max is not None else node.min + 1
+        size = (nfa_size(node.node, memo) + 2) * max(copies, 1) + 2
+    memo[key] = size
+    return size
 
 
 class _NFA:
@@ -507,6 +557,8 @@ class _NFA:
         elif isinstance(node, Alt):
             for option in node.options:
                 self.build(option, start, end)
+        elif isinstance(node, Subsequence):
+            self.subsequence(node, start, end)
         else:
             cur = self.new()
             self.eps[start].append(cur)
@@ -528,6 +580,27 @@ class _NFA:
                 self.eps[cur].append(end)
 
 
+    def subsequence(self, node: Subsequence, start: int, end: int) -> None:
+        """Two rows of states: head[j], nothing taken yet and item j next; tail[j], something taken
+        and item j next (tail[n] = end). Item j leads head[j] or (after a separator) tail[j] to
+        tail[j+1]; an optional one may be skipped. Each item is built twice, not once per first item."""
+        n = len(node.items)
+        tail = [self.new() for _ in range(n)] + [end]
+        head = [start] + [self.new() for _ in range(n - 1)]
+        for j, (item, required) in enumerate(zip(node.items, node.required)):
+            after_separator = self.new()
+            self.build(node.separator, tail[j], after_separator)
+            self.build(item, after_separator, tail[j + 1])
+            if not required:
+                self.eps[tail[j]].append(tail[j + 1])
+        for j, (item, required) in enumerate(zip(node.items, node.required)):
+            self.build(item, head[j], tail[j + 1])
+            if required:
+                break
+            if j + 1 < n:
+                self.eps[head[j]].append(head[j + 1])
+
+
 # ---- the DFA -----------------------------------------------------------------------------------
 class DFA:
     """A complete DFA over bytes. State 0 is dead: every byte leads back to it, and only it can
@@ -538,11 +611,11 @@ class DFA:
     table: int32 [n_states, n_classes]; classes: int32 [256]; accepting: bool [n_states].
     """
 
-    def __init__(self, table: np.ndarray, classes: np.ndarray, accepting: np.ndarray, start: int, pattern: str = ""):
+    def __init__(self, table: np.ndarray, classes: np.ndarray, accepting: np.ndarray, start: int, name: str = ""):
         self.table = np.ascontiguousarray(table, dtype=np.int32)
         self.classes = np.ascontiguousarray(classes, dtype=np.int32)
         self.accepting = np.ascontiguousarray(accepting, dtype=bool)
-        self.start, self.pattern = start, pattern
+        self.start, self.name = start, name
         for array in (self.table, self.classes, self.accepting):
             array.setflags(write=False)
         self._flat = self.table.reshape(-1).data         # a memoryview: fast scalar reads in walk()
@@ -593,7 +666,7 @@ class DFA:
 
     def __repr__(self) -> str:
         return (f"DFA(states={self.n_states}, classes={self.n_classes}, "
-                f"pattern={self.pattern[:60]!r}{'...' if len(self.pattern) > 60 else ''})")
+                f"{self.name[:70]}{'...' if len(self.name) > 70 else ''})")
 
 
 def _byte_classes(nfa: _NFA) -> tuple[np.ndarray, int]:
@@ -625,11 +698,12 @@ def _subsets(nfa: _NFA, start: int, accept: int, classes: np.ndarray, n_classes:
         if got is None:
             seen, stack = set(targets), list(targets)
             while stack:
-                for t in eps[stack.pop()]:
+                moves = eps[stack.pop()]
+                work += len(moves) + 1
+                for t in moves:
                     if t not in seen:
                         seen.add(t)
                         stack.append(t)
-            work += len(seen)
             got = closures[targets] = frozenset(s for s in seen if edge_cls[s] is not None or s == accept)
         return got
 
@@ -728,9 +802,8 @@ def _quotient(table: np.ndarray, accepting: np.ndarray, start: int, ids: np.ndar
     return new_table, new_accepting, int(ids[start])
 
 
-def build_dfa(node: Node, pattern: str = "", max_states: int = MAX_DFA_STATES) -> DFA:
-    """Tree -> minimal DFA over bytes (StructuredError past the limits)."""
-    what = f"regex {pattern[:60]!r}{'...' if len(pattern) > 60 else ''}" if pattern else "the constraint"
+def build_dfa(node: Node, what: str = "the constraint", max_states: int = MAX_DFA_STATES) -> DFA:
+    """Tree -> minimal DFA over bytes (StructuredError past the limits). `what` names it in errors."""
     size = nfa_size(node)
     if size > MAX_NFA_STATES:
         raise StructuredError(f"{what} expands to {size:,} NFA states (at most {MAX_NFA_STATES:,}): "
@@ -748,11 +821,11 @@ def build_dfa(node: Node, pattern: str = "", max_states: int = MAX_DFA_STATES) -
         raise StructuredError(f"{what} matches no string at all")
     # classes the minimal DFA no longer tells apart (identical columns) merge too
     columns, merged = np.unique(table, axis=1, return_inverse=True)
-    return DFA(columns, merged.reshape(-1)[classes], accepting, start_state, pattern)
+    return DFA(columns, merged.reshape(-1)[classes], accepting, start_state, what)
 
 
 @functools.lru_cache(maxsize=16)
 def compile_regex(pattern: str, max_chars: int = MAX_PATTERN_CHARS, max_states: int = MAX_DFA_STATES) -> DFA:
     """`pattern` (full-match) as a minimal DFA over UTF-8 bytes; cached per pattern.
     StructuredError for unsupported syntax or a pattern past the limits."""
-    return build_dfa(parse(pattern, max_chars), pattern, max_states)
+    return build_dfa(parse(pattern, max_chars), f"regex {pattern[:60]!r}{'...' if len(pattern) > 60 else ''}", max_states)

@@ -31,6 +31,7 @@ API (what the engine calls):
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import weakref
@@ -39,8 +40,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from engine.structured.json_schema import json_object_regex, schema_to_regex
-from engine.structured.regex_dfa import DFA, MAX_PATTERN_CHARS, StructuredError, compile_regex, escape
+from engine.structured.json_schema import json_object_tree, schema_to_tree
+from engine.structured.regex_dfa import DFA, MAX_PATTERN_CHARS, Alt, Node, StructuredError, build_dfa, literal, parse, to_regex
 
 __all__ = ["TokenVocabulary", "CompiledConstraint", "TokenMatcher", "compile_constraint", "constraint_regex", "KINDS"]
 
@@ -49,7 +50,6 @@ MAX_COMPILED = 32                  # compiled constraints kept per vocabulary (L
 MASK_CACHE_BYTES = 8 << 20         # cached masks per compiled constraint (LRU, stored packed or as id lists)
 MAX_SPEC_CHARS = 200_000           # a schema or choice list, as canonical JSON
 MAX_CHOICES = 10_000
-MAX_GENERATED_CHARS = 4_000_000    # the regex a schema or choice list turns into
 
 
 # ---- the vocabulary ------------------------------------------------------------------------------
@@ -151,14 +151,19 @@ class CompiledConstraint:
     structure), else as packed bits (V/8 bytes), so MASK_CACHE_BYTES holds thousands of states.
     """
 
-    def __init__(self, kind: str, spec_json: str, regex: str, dfa: DFA, vocab: TokenVocabulary):
-        self.kind, self.spec_json, self.regex, self.dfa, self.vocab = kind, spec_json, regex, dfa, vocab
+    def __init__(self, kind: str, spec_json: str, tree: Node, dfa: DFA, vocab: TokenVocabulary):
+        self.kind, self.spec_json, self.tree, self.dfa, self.vocab = kind, spec_json, tree, dfa, vocab
         self._node_class = dfa.classes[vocab.trie_byte]          # [N] each trie edge's byte class
         self._table = dfa.table.reshape(-1)                       # [n_states * n_classes]
         self._masks: OrderedDict[int, tuple[np.ndarray, bool, int]] = OrderedDict()   # state -> (stored, packed, n_text)
         self._mask_bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    @functools.cached_property
+    def regex(self) -> str:
+        """The constraint as regex text (for logs and learners; a big schema's can be long)."""
+        return to_regex(self.tree)
 
     def token_end_states(self, state: int) -> np.ndarray:
         """int32 [V]: the DFA state after each token's bytes from `state` (0: dead, or not a text token).
@@ -324,17 +329,18 @@ def _canonical(kind: str, spec) -> str:
 
 def constraint_regex(kind: str, spec) -> str:
     """The regex a constraint compiles to (for logs, tests and learners)."""
-    return _regex(kind, json.loads(_canonical(kind, spec)))
+    return to_regex(_tree(kind, json.loads(_canonical(kind, spec))))
 
 
-def _regex(kind: str, spec) -> str:
+def _tree(kind: str, spec) -> Node:
     if kind == "regex":
-        return spec
+        return parse(spec)
     if kind == "choice":
-        return "|".join(escape(choice) for choice in spec)
+        options = tuple(literal(choice) for choice in spec)
+        return options[0] if len(options) == 1 else Alt(options)
     if kind == "json_schema":
-        return schema_to_regex(spec)
-    return json_object_regex()
+        return schema_to_tree(spec)
+    return json_object_tree()
 
 
 def compile_constraint(kind: str, spec, vocab: TokenVocabulary) -> CompiledConstraint:
@@ -347,12 +353,13 @@ def compile_constraint(kind: str, spec, vocab: TokenVocabulary) -> CompiledConst
         if compiled is not None:
             vocab._compiled.move_to_end(key)
             return compiled
-    regex = _regex(kind, json.loads(key[1]))
+    what = f"regex {spec[:60]!r}" if kind == "regex" else f"the {kind} constraint"
     try:
-        dfa = compile_regex(regex, max_chars=MAX_PATTERN_CHARS if kind == "regex" else MAX_GENERATED_CHARS)
+        tree = _tree(kind, json.loads(key[1]))
+        dfa = build_dfa(tree, what)
     except RecursionError:
         raise StructuredError(f"the {kind} constraint nests too deeply") from None
-    compiled = CompiledConstraint(kind, key[1], regex, dfa, vocab)
+    compiled = CompiledConstraint(kind, key[1], tree, dfa, vocab)
     with vocab._lock:
         compiled = vocab._compiled.setdefault(key, compiled)
         vocab._compiled.move_to_end(key)
