@@ -3,10 +3,13 @@ JSON record, unconstrained and constrained to a JSON schema (structured outputs)
 
 Modes, interleaved so that a drift of the machine falls on both alike: "free" (no constraint, async
 scheduling), "free+sync" (no constraint, the host schedules between steps: what a constrained request
-costs the scheduler, since its next mask needs its last token and it sits out the lookahead) and
-"schema" (every request constrained). Each record gives output tok/s, the tokens and steps, how many
-answers parse (and, constrained, validate), and the host time spent on masks (advancing each request's
-automaton, building or reusing each state's mask; engine/runtime/structured_outputs.py).
+costs the scheduler, since its next mask needs its last token and it sits out the lookahead),
+"schema" (every request constrained) and "matched" (no constraint, each request exactly as long as its
+answer in the schema run before: the same tokens and steps, so the tok/s ratio is the cost of the
+constraint alone; free answers run longer, and a batch that shrinks later runs faster per token).
+Each record gives output tok/s, the tokens and steps, how many answers parse (and, constrained,
+validate), and the host time spent on masks (advancing each request's automaton, building or reusing
+each state's mask; engine/runtime/structured_outputs.py).
 Needs a model directory with a tokenizer and a chat template (the default model).
 """
 from __future__ import annotations
@@ -47,11 +50,15 @@ def scenario_structured(args, setup, model_dir, backend) -> None:
         raise SystemExit("--scenario structured needs a model with a tokenizer and a chat template")
     warm = min(8, args.requests)
     ids = prompts(tokenizer, args.requests + warm)
-    for mode in ["free", "schema", "free+sync", "schema", "free", "free+sync"]:
+    lengths: list[int] = []           # the last constrained run's answer lengths
+    for mode in ["free", "schema", "matched", "free+sync", "schema", "matched"]:
         llm = engines[mode == "free+sync"]
         structured = ("json_schema", SCHEMA) if mode == "schema" else None
         params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=0.7, seed=i, structured=structured)
                   for i in range(len(ids))]
+        if mode == "matched":         # unconstrained, each request as long as its constrained answer
+            params = [SamplingParams(max_new_tokens=n, temperature=0.7, seed=i, ignore_eos=True)
+                      for i, n in enumerate(lengths + [args.new_tokens] * warm)]
         # warm-up on other requests: kernels, graphs, the schema's automaton and its first masks
         llm.generate(ids[-warm:], params[-warm:])
         llm.reset_prefix_cache()                  # the timed prompts are computed in every run
@@ -63,6 +70,8 @@ def scenario_structured(args, setup, model_dir, backend) -> None:
         backend.synchronize()
         sec = time.perf_counter() - t
         tokens = sum(len(o.token_ids) for o in outs)
+        if mode == "schema":
+            lengths = [len(o.token_ids) for o in outs]
         parsed = []
         for o in outs:
             try:

@@ -7,8 +7,9 @@ continue what it saw (a failed step was retried), it starts again from the empty
 kept for the most recent requests only (an evicted one is rebuilt from its tokens), so nothing needs
 to tell the runner that a request ended. Compiled constraints and per-state masks are cached by
 engine/structured, so a schema that many requests share compiles once and each state's mask is built
-once; the runner keeps each (constraint, state) mask on the device as well, so a step of many
-constrained rows uploads only the masks of states it has not seen, not one [V] mask per row.
+once; the runner keeps each (constraint, state) mask in a table on the device as well, so a step of
+many constrained rows uploads only the masks of states it has not seen and gathers the rows' masks
+with one index, not one [V] upload per row.
 
 What it costs is counted: `mask_seconds` (host time spent advancing matchers and finding masks, on
 the engine loop), `masks_built` (states whose mask was made or uploaded) and `masks_reused`.
@@ -22,7 +23,8 @@ from typing import Any
 import numpy as np
 
 KEEP_MATCHERS = 4096
-DEVICE_MASK_BYTES = 256 * 2**20       # the device copies of masks kept (least recently used dropped)
+DEVICE_MASK_BYTES = 256 * 2**20       # the device table of masks (more rows than a step holds: MIN_SLOTS)
+MIN_SLOTS = 2048
 
 
 class StructuredOutputs:
@@ -31,13 +33,18 @@ class StructuredOutputs:
         self.xp = xp
         self._vocab: Any = None               # engine.structured.TokenVocabulary, built on first use
         self._matchers: OrderedDict[int, tuple[Any, int, list[int]]] = OrderedDict()
-        self._on_device: OrderedDict[tuple, Any] = OrderedDict()     # (constraint, state, ended) -> bool [V]
+        # every (constraint, state, ended) mask met so far, one row each of a table on the device: a step
+        # gathers its rows' masks with one index (least recently used rows are written over)
+        self.capacity = max(MIN_SLOTS, DEVICE_MASK_BYTES // max(1, vocab_size))
+        self.table: Any = None                                  # bool [capacity, V], made on first use
+        self._slots: OrderedDict[tuple, tuple[int, Any]] = OrderedDict()
         self.mask_seconds = 0.0
         self.masks_built = self.masks_reused = 0
 
     def compile(self, structured: tuple):
         """The compiled constraint (StructuredError, a ValueError, for a bad one)."""
-        from engine.structured import StructuredError, TokenVocabulary, compile_constraint
+        from engine.structured.regex_dfa import StructuredError
+        from engine.structured.token_mask import TokenVocabulary, compile_constraint
         if self.tokenizer is None:
             raise StructuredError("structured outputs need the model's tokenizer.json")
         if self._vocab is None:
@@ -46,9 +53,9 @@ class StructuredOutputs:
         kind, spec = structured
         return compile_constraint(kind, spec, self._vocab)
 
-    def mask(self, request_id: int, structured: tuple, output: list[int]):
-        """bool [V] on the backend: the tokens the request's constraint allows after `output`."""
-        from engine.structured import TokenMatcher
+    def slot(self, request_id: int, structured: tuple, output: list[int]) -> int:
+        """The row of `table` holding the tokens the request's constraint allows after `output`."""
+        from engine.structured.token_mask import TokenMatcher
         t0 = time.perf_counter()
         entry = self._matchers.pop(request_id, None)
         if entry is None or entry[1] > len(output) or output[:entry[1]] != entry[2][:entry[1]]:
@@ -60,14 +67,16 @@ class StructuredOutputs:
         while len(self._matchers) > KEEP_MATCHERS:
             self._matchers.popitem(last=False)
         key = (id(matcher.compiled), matcher.state, matcher.ended)
-        mask = self._on_device.pop(key, None)
-        if mask is None or mask[1] is not matcher.compiled:      # (an id reused by a newer constraint)
+        held = self._slots.pop(key, None)
+        if held is None or held[1] is not matcher.compiled:     # (an id reused by a newer constraint)
             self.masks_built += 1
-            mask = (self.xp.asarray(matcher.allowed_mask()), matcher.compiled)
-            while self._on_device and (len(self._on_device) + 1) * self.vocab_size > DEVICE_MASK_BYTES:
-                self._on_device.popitem(last=False)
+            if self.table is None:
+                self.table = self.xp.zeros((self.capacity, self.vocab_size), dtype=bool)
+            slot = len(self._slots) if len(self._slots) < self.capacity else self._slots.popitem(last=False)[1][0]
+            self.table[slot] = self.xp.asarray(matcher.allowed_mask())
+            held = (slot, matcher.compiled)
         else:
             self.masks_reused += 1
-        self._on_device[key] = mask
+        self._slots[key] = held
         self.mask_seconds += time.perf_counter() - t0
-        return mask[0]
+        return held[0]

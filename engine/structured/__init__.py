@@ -5,6 +5,7 @@ object" becomes a per-request automaton that says which token ids may come next.
   json_schema.py  JSON schema (a subset) / any JSON object -> a regex over the JSON text
   token_mask.py   the vocabulary as a byte trie, per-state token masks (cached), TokenMatcher
 
+    from engine.structured.token_mask import TokenMatcher, TokenVocabulary, compile_constraint
     vocab = TokenVocabulary.from_tokenizer(tokenizer, vocab_size=config.vocab_size, eos_token_ids={2})
     compiled = compile_constraint("json_schema", schema, vocab)     # once per (kind, spec)
     m = TokenMatcher(compiled)                                     # per request
@@ -12,17 +13,3 @@ object" becomes a per-request automaton that says which token ids may come next.
 
 Everything here is CPU-only Python + NumPy; refusals are StructuredError (a ValueError).
 """
-from engine.structured.json_schema import json_object_regex, schema_to_regex, schema_to_tree
-from engine.structured.regex_dfa import DFA, StructuredError, compile_regex
-from engine.structured.token_mask import (
-    KINDS,
-    CompiledConstraint,
-    TokenMatcher,
-    TokenVocabulary,
-    compile_constraint,
-    constraint_regex,
-)
-
-__all__ = ["StructuredError", "TokenVocabulary", "CompiledConstraint", "TokenMatcher", "compile_constraint",
-           "constraint_regex", "KINDS", "DFA", "compile_regex", "schema_to_regex", "json_object_regex",
-           "schema_to_tree"]

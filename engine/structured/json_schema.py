@@ -7,6 +7,10 @@ So each part of the schema becomes a regex for its text, and the parts are conca
      "required": ["name"]}
     ->  \\{WS"name"WS:WS STRING (?:WS,WS"age"WS:WS INTEGER)? WS\\}
 
+The regex is built as a tree (regex_dfa's nodes), not as text: nothing is parsed twice, a $ref used
+in many places is one shared subtree, and object members use `Subsequence`, which the NFA builds in
+linear size (as text, optional members spell out quadratically: `schema_to_regex` shows it).
+
 The result is always a *subset* of the texts that are valid: every output it allows is valid JSON that
 the schema accepts, while some valid spellings are left out on purpose:
 - properties come in the order the schema lists them (a model writes them in that order anyway),

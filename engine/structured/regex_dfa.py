@@ -23,12 +23,18 @@ A pattern may come from a request, so compiling one is bounded in time and memor
 (MAX_PATTERN_CHARS), repetition counts (MAX_REPEAT), group nesting (MAX_GROUP_DEPTH), the NFA it
 expands to (MAX_NFA_STATES, checked on the tree before anything is built), the DFA (MAX_DFA_STATES)
 and the work of the subset construction (MAX_SUBSET_WORK). `(a|b)*a(a|b){20}` needs 2^21 DFA states
-and is refused after building 20,000 of them, in about a second.
+and is refused after building 20,000 of them, in 0.3 s; the slowest refusal (the work limit, e.g.
+`(?:a|aa|aaa|aaaa){0,1000}b`) takes under a second, and the largest DFAs accepted about 1.5 s.
+
+Trees need not come from pattern text: json_schema.py assembles them directly, including the one
+node regex syntax lacks, `Subsequence` (JSON object members: any in-order subset, comma-joined),
+whose NFA is linear where its regex text is quadratic.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -36,7 +42,7 @@ __all__ = ["StructuredError", "DFA", "compile_regex", "build_dfa", "parse", "to_
            "utf8_sequences", "Chars", "Concat", "Alt", "Repeat", "Subsequence", "Node", "literal",
            "MAX_PATTERN_CHARS", "MAX_REPEAT", "MAX_DFA_STATES"]
 
-MAX_PATTERN_CHARS = 10_000      # a request's regex; generated ones (JSON schemas) pass their own limit
+MAX_PATTERN_CHARS = 10_000      # a request's regex (JSON schemas build trees, bounded by the NFA limit)
 MAX_REPEAT = 1000               # the largest m or n of {m,n}
 MAX_GROUP_DEPTH = 100           # nested groups (the parser and the tree walks recurse on them)
 MAX_NFA_STATES = 300_000        # what the tree expands to, counted before building it
@@ -84,7 +90,8 @@ class Subsequence:
 
     No regex operator says it in linear size: where the commas go depends on which member comes
     first, so the regex text (`to_regex`) is an alternation over that first member, each with its
-    own copy of the rest (quadratic). The NFA needs no copies (`_NFA.build`)."""
+    own copy of the rest (quadratic, and exponential in the nesting of such objects). The NFA
+    builds each item once (`_NFA.subsequence`)."""
     items: tuple[Node, ...]
     required: tuple[bool, ...]
     separator: Node
@@ -113,10 +120,6 @@ def _complement(ranges) -> tuple[tuple[int, int], ...]:
     if nxt <= MAX_CODE_POINT:
         out.append((nxt, MAX_CODE_POINT))
     return tuple(out)
-
-
-def _chars(*ranges) -> Chars:
-    return Chars(_normalize(ranges))
 
 
 DIGIT = ((0x30, 0x39),)
@@ -162,7 +165,7 @@ class _Parser:
             self.fail("unbalanced parenthesis ')'")
         return node
 
-    def fail(self, what: str):
+    def fail(self, what: str) -> NoReturn:
         raise StructuredError(f"regex {self.text[:80]!r}{'...' if len(self.text) > 80 else ''}: {what} "
                               f"at position {self.pos}")
 
@@ -413,8 +416,32 @@ def escape(text: str) -> str:
     return "".join(_char_text(ord(c), in_class=False) for c in text)
 
 
-def to_regex(node: Node) -> str:
-    """A tree as pattern text that `parse` (and Python's re) read back as the same language."""
+MAX_REGEX_TEXT = 20_000_000      # to_regex output (a tree of nested optional members spells out exponentially)
+
+
+def to_regex(node: Node, max_chars: int = MAX_REGEX_TEXT) -> str:
+    """A tree as pattern text that `parse` (and Python's re) read back as the same language.
+    StructuredError if the text would pass max_chars."""
+    return _to_regex(node, {}, max_chars)
+
+
+def _to_regex(node: Node, memo: dict[int, tuple[Node, str]], max_chars: int) -> str:
+    """Memoized per node (a shared subtree is printed once); the memo holds the node too, so that
+    no id is reused by a temporary node while the walk runs."""
+    done = memo.get(id(node))
+    if done is not None:
+        return done[1]
+    text = _node_text(node, memo, max_chars)
+    if len(text) > max_chars:
+        raise StructuredError(f"the regex text is over {max_chars:,} characters")
+    memo[id(node)] = (node, text)
+    return text
+
+
+def _node_text(node: Node, memo: dict[int, tuple[Node, str]], max_chars: int) -> str:
+    def sub(child: Node) -> str:
+        return _to_regex(child, memo, max_chars)
+
     if isinstance(node, Chars):
         if len(node.ranges) == 1 and node.ranges[0][0] == node.ranges[0][1]:
             return _char_text(node.ranges[0][0], in_class=False)
@@ -424,13 +451,12 @@ def to_regex(node: Node) -> str:
                        for lo, hi in node.ranges)
         return f"[{body}]"
     if isinstance(node, Concat):
-        return "".join(f"(?:{to_regex(item)})" if isinstance(item, (Alt, Subsequence)) else to_regex(item)
-                       for item in node.items)
+        return "".join(f"(?:{sub(item)})" if isinstance(item, (Alt, Subsequence)) else sub(item) for item in node.items)
     if isinstance(node, Alt):
-        return "|".join(to_regex(option) for option in node.options)
+        return "|".join(sub(option) for option in node.options)
     if isinstance(node, Subsequence):
-        return to_regex(_subsequence_as_alternation(node))
-    inner = to_regex(node.node)
+        return sub(_subsequence_as_alternation(node))
+    inner = sub(node.node)
     if not isinstance(node.node, Chars):          # one character or one [class] needs no group
         inner = f"(?:{inner})"
     short = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((node.min, node.max))
@@ -514,7 +540,7 @@ def nfa_size(node: Node, memo: dict[int, int] | None = None) -> int:
     elif isinstance(node, Alt):
         size = sum(nfa_size(option, memo) for option in node.options)
     elif isinstance(node, Subsequence):
-        size = sum(2 * nfa_size(item, memo) + 3 for item in node.items) + len(node.items) * nfa_size(node.separator, memo)
+        size = sum(nfa_size(item, memo) + 3 for item in node.items) + len(node.items) * nfa_size(node.separator, memo) + 1
     else:
         copies = node.max if node.max is not None else node.min + 1
         size = (nfa_size(node.node, memo) + 2) * max(copies, 1) + 2
@@ -525,7 +551,7 @@ def nfa_size(node: Node, memo: dict[int, int] | None = None) -> int:
 class _NFA:
     """Thompson's construction over bytes. Each state has epsilon moves and at most one byte-range edge."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.eps: list[list[int]] = []
         self.edge: list[tuple[int, int, int] | None] = []     # (lo byte, hi byte, target)
 
@@ -581,24 +607,30 @@ class _NFA:
 
 
     def subsequence(self, node: Subsequence, start: int, end: int) -> None:
-        """Two rows of states: head[j], nothing taken yet and item j next; tail[j], something taken
-        and item j next (tail[n] = end). Item j leads head[j] or (after a separator) tail[j] to
-        tail[j+1]; an optional one may be skipped. Each item is built twice, not once per first item."""
+        """Two rows of states: head[j], nothing taken yet and item j next (head[0] = start); tail[j],
+        something taken and item j next (tail[n] = end). Item j is built once, from its own entry
+        state: head[j] enters it directly, tail[j] through a separator, and either way it leads to
+        tail[j+1]. An optional item may be skipped (head[j] -> head[j+1], tail[j] -> tail[j+1]);
+        the head row stops at the first required item, which cannot be skipped."""
         n = len(node.items)
         tail = [self.new() for _ in range(n)] + [end]
-        head = [start] + [self.new() for _ in range(n - 1)]
+        head = start
+        heads_open = True
         for j, (item, required) in enumerate(zip(node.items, node.required)):
-            after_separator = self.new()
-            self.build(node.separator, tail[j], after_separator)
-            self.build(item, after_separator, tail[j + 1])
-            if not required:
-                self.eps[tail[j]].append(tail[j + 1])
-        for j, (item, required) in enumerate(zip(node.items, node.required)):
-            self.build(item, head[j], tail[j + 1])
-            if required:
-                break
-            if j + 1 < n:
-                self.eps[head[j]].append(head[j + 1])
+            entry = self.new()
+            self.build(item, entry, tail[j + 1])
+            if j > 0:
+                self.build(node.separator, tail[j], entry)
+                if not required:
+                    self.eps[tail[j]].append(tail[j + 1])
+            if heads_open:
+                self.eps[head].append(entry)
+                if required or j == n - 1:
+                    heads_open = False
+                else:
+                    head_next = self.new()
+                    self.eps[head].append(head_next)
+                    head = head_next
 
 
 # ---- the DFA -----------------------------------------------------------------------------------
