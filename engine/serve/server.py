@@ -154,8 +154,11 @@ class OpenAIServer:
         self.body_timeout = body_timeout
         self.tokenizer = llm.tokenizer
         # structured outputs are compiled here first (a bad schema is a 400 before the engine sees it)
-        vocab_size = getattr(getattr(llm, "config", None), "vocab_size", None) or getattr(llm, "vocab_size", None)
-        self._structured = StructuredOutputs(self.tokenizer, vocab_size or getattr(self.tokenizer, "vocab_size", 1),
+        config = getattr(llm, "config", None)                   # (an LLM; a RemoteLLM has vocab_size)
+        vocab_size: int = config.vocab_size if config is not None else getattr(llm, "vocab_size", 0)
+        if not vocab_size and self.tokenizer is not None:        # (a stand-in engine of the tests)
+            vocab_size = self.tokenizer.vocab_size
+        self._structured = StructuredOutputs(self.tokenizer, vocab_size or 1,
                                              self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.created = int(time.time())
         queue = max(256, 4 * llm.max_seqs) if max_queue is None else max_queue
