@@ -20,8 +20,8 @@ def test_processing_and_logprobs_on_the_device_equal_numpy():
             (3, SamplingParams(temperature=0.8, min_p=0.2), [], []),
             (5, SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=0.9), [2, 3], [2])]
     masks = {2: rng.random(V) < 0.5}
-    want = process_logits(np, logits.copy(), rows, masks)
-    got = process_logits(cp, cp.asarray(logits), rows, masks).get()
+    want = process_logits(np, logits.copy(), rows, ([2], masks[2][None]))
+    got = process_logits(cp, cp.asarray(logits), rows, ([2], cp.asarray(masks[2][None]))).get()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     ids = np.array([1, 2, 3, 4, 5, 6], dtype=np.int32)
     host = token_logprobs(np, logits, [0, 3, 5], ids, 4)

@@ -36,7 +36,9 @@ def test_the_batched_processing_equals_the_one_row_reference():
                 masks[r] = allowed
             rows.append((r, params, prompt, output))
             want[r] = process_row_ref(logits[r], params, prompt, output, allowed)
-        got = process_logits(np, logits.copy(), rows, masks)
+        idx = sorted(masks)
+        masked = (idx, np.stack([masks[r] for r in idx])) if idx else None
+        got = process_logits(np, logits.copy(), rows, masked)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"trial {trial}")
 
 

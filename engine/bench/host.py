@@ -50,7 +50,7 @@ def free_forward(fb, cache=None):
 
 
 def make_free_sample(vocab: int):
-    def free_sample(logits, params, uniforms) -> SampledTokens:
+    def free_sample(logits, params, uniforms, raw=None) -> SampledTokens:
         """Stand-in for sampling: the row's seeded uniform picks an id (deterministic per request)."""
         ids = (np.asarray(uniforms, dtype=np.float64) * (vocab - 300) + 300).astype(np.int32)  # past specials
         return SampledTokens(ids, np.ones(len(ids), dtype=bool))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.bench.workload import emit, random_prompt
+from engine.runtime.scheduler import common_prefix
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Teh dog did not move, because it was sleeping in the warm "
         "sun. Later that day, the fox came back and jumped agian, and this time the dog woke up and barked loudly. "
@@ -38,10 +39,6 @@ def repeat_prompt(llm, vocab_size: int) -> tuple[list[int], bool]:
                                                   add_generation_prompt=True)), True
     motif = random_prompt(np.random.default_rng(5), 48, vocab_size)
     return (motif * 6)[:min(256, llm.max_context // 2)], False
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def decode_rate(log) -> tuple[float, int]:

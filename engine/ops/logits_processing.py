@@ -44,17 +44,15 @@ def process_row_ref(z: np.ndarray, params, prompt: list[int], output: list[int],
     return z
 
 
-def process_logits(xp, logits, rows: list[tuple[int, Any, list[int], list[int]]], masks=None):
+def process_logits(xp, logits, rows: list[tuple[int, Any, list[int], list[int]]], masked=None):
     """logits [R, V] (float32, modified in place and returned) after each listed row's processing.
 
     rows: (row index, params, prompt ids, output ids) of the rows that ask for any processing;
-    masks: {row index: bool [V] (on the host or the backend)} for structured outputs."""
+    masked: (row indices [M], allowed bool [M, V] on the backend) for structured outputs."""
     V = logits.shape[1]
-    if masks:
-        idx = sorted(masks)
-        allowed = xp.stack([xp.asarray(masks[r])[:V] for r in idx])                          # [M, V]
-        sel = np.asarray(idx) if xp is np else xp.asarray(idx)
-        logits[sel] = xp.where(allowed, logits[sel], xp.float32(-np.inf))
+    if masked is not None and len(masked[0]):
+        sel = np.asarray(masked[0]) if xp is np else xp.asarray(masked[0])
+        logits[sel] = xp.where(masked[1][:, :V], logits[sel], xp.float32(-np.inf))
     bias_r, bias_t, bias_v = [], [], []
     rep_r, rep_t, rep_f = [], [], []
     pen_r, pen_t, pen_v = [], [], []

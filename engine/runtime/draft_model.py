@@ -38,6 +38,7 @@ from engine.model.forward_pass import ForwardBatch, load_model
 from engine.model.kv_cache import KVCache, kv_bytes_per_token
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.kv_allocator import PageAllocator
+from engine.runtime.scheduler import common_prefix
 from engine.runtime.speculative import SpeculativeError
 
 TOKENIZER_BYTES = 64 * 2**20       # the largest tokenizer.json compared (a 256k vocabulary is ~20 MB)
@@ -83,10 +84,6 @@ def check_draft_model(draft_dir, target_config, target_dir, max_context: int):
                                f"the target's context is {max_context}: pass a shorter max_context")
     same_vocabulary(Path(draft_dir), None if target_dir is None else Path(target_dir), config, target_config)
     return config
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class DraftModelProposer:

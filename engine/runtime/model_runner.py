@@ -217,9 +217,7 @@ class ModelRunner:
             if any(getattr(row.params, "processes_logits", False) for row in fed):
                 raw, logits = logits, self._processed(logits, fed)
             uniforms = step_uniforms([seeds[row.request_id] for row in fed], [row.num_generated for row in fed])
-            # (raw only when processed: a stand-in sampler, engine/bench/host.py's, takes three arguments)
-            sampled = start_sampling(logits, [row.params for row in fed], uniforms, raw) if raw is not None \
-                else start_sampling(logits, [row.params for row in fed], uniforms)
+            sampled = start_sampling(logits, [row.params for row in fed], uniforms, raw)
             asked = [i for i, row in enumerate(fed) if getattr(row.params, "logprobs", None) is not None]
             if asked:
                 k = max(fed[i].params.logprobs for i in asked)
@@ -246,10 +244,9 @@ class ModelRunner:
             if params.structured is not None:
                 masked.append(i)
                 slots.append(self.structured.slot(row.request_id, params.structured, output))
-        if masked:        # the structured outputs' masks first, gathered from the table in one index
-            sel, at = (np.asarray(v) if xp is np else xp.asarray(v) for v in (masked, slots))
-            logits[sel] = xp.where(self.structured.table[at], logits[sel], xp.float32(-np.inf))
-        return process_logits(xp, logits, rows)
+        # the structured outputs' masks, gathered from the runner's table of masks with one index
+        allowed = self.structured.table[np.asarray(slots) if xp is np else xp.asarray(slots)] if slots else None
+        return process_logits(xp, logits, rows, (masked, allowed) if slots else None)
 
     def _feedback(self, batch: Batch, previous: LaunchedStep | None):
         """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that
