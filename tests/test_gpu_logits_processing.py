@@ -4,7 +4,7 @@ recomputation (bf16 near-ties aside); -inf entries (masked tokens) sample correc
 import numpy as np
 import pytest
 
-from engine.ops.logits_processing import process_logits, token_logprobs
+from engine.ops.logits_processing import masked_logits, process_logits, token_logprobs
 from engine.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -19,9 +19,11 @@ def test_processing_and_logprobs_on_the_device_equal_numpy():
             (2, SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, logit_bias={7: 5.0, 8: -100.0}), [1], [4, 4, 4, 6]),
             (3, SamplingParams(temperature=0.8, min_p=0.2), [], []),
             (5, SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=0.9), [2, 3], [2])]
-    masks = {2: rng.random(V) < 0.5}
-    want = process_logits(np, logits.copy(), rows, ([2], masks[2][None]))
-    got = process_logits(cp, cp.asarray(logits), rows, ([2], cp.asarray(masks[2][None]))).get()
+    table = rng.random((3, V + 7)) < 0.5                 # three masks, wider than the logits
+    slots = np.array([1, -1, 0, 2, -1, 1], dtype=np.int32)
+    want = process_logits(np, masked_logits(np, logits, table, slots), rows)
+    got = process_logits(cp, masked_logits(cp, cp.asarray(logits), cp.asarray(table), slots), rows).get()
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     ids = np.array([1, 2, 3, 4, 5, 6], dtype=np.int32)
     host = token_logprobs(np, logits, [0, 3, 5], ids, 4)
@@ -63,3 +65,47 @@ def test_the_engine_follows_the_processed_logits_on_the_gpu(model_dir):
         z = full[len(prompts[3]) - 1 + i]
         assert np.exp(z[token] - z.max()) >= 0.3 * 0.8
     assert llm.stats()["pages_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def chat_random_dir(tmp_path_factory, default_model_dir):
+    """The default model's shape with random weights, and its tokenizer and chat template."""
+    import shutil
+
+    from engine.model.random_model import PRESETS, write_random_model
+    out = write_random_model(tmp_path_factory.mktemp("lp-chat"), PRESETS["smollm2-135m"], seed=4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(default_model_dir / name, out / name)
+    return out
+
+
+def test_constrained_outputs_on_the_gpu_with_async_scheduling(chat_random_dir):
+    """Structured outputs on the device (masks from the runner's table, kernels_cu/logits_mask.cu),
+    batched with plain and penalized rows, the steps overlapped (a constrained or penalized row's
+    draw waits for the step in flight): every constrained answer matches, and the seeded tokens equal
+    synchronous scheduling's on the same GPU."""
+    import json
+    import re
+
+    from test_structured_outputs import SCHEMA, valid
+
+    import engine
+    pattern = r"(yes|no)[!?]{1,2} [0-9]{2,4}"
+    params = ([SamplingParams(max_new_tokens=120, temperature=1.2, seed=s, structured=("json_schema", SCHEMA))
+               for s in range(6)]
+              + [SamplingParams(max_new_tokens=40, temperature=1.2, seed=s, structured=("regex", pattern)) for s in range(6)]
+              + [SamplingParams(max_new_tokens=30, temperature=1.0, seed=1, ignore_eos=True),
+                 SamplingParams(max_new_tokens=30, temperature=1.0, seed=2, repetition_penalty=1.3, ignore_eos=True)])
+    prompts = [f"Answer {i}:" for i in range(len(params))]
+    got = {}
+    for async_scheduling in (True, False):
+        llm = engine.LLM(chat_random_dir, backend="cupy", max_seqs=16, max_context=512,
+                         async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params)
+        for out in outs[:6]:
+            assert out.finish_reason == "stop" and valid(json.loads(out.text)), out.text
+        for out in outs[6:12]:
+            assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out.text
+        got[async_scheduling] = [o.token_ids for o in outs]
+        llm.close()
+    assert got[True] == got[False]

@@ -6,7 +6,7 @@ import pytest
 
 import engine
 from engine.model.random_model import PRESETS, write_random_model
-from engine.ops.logits_processing import process_logits, process_row_ref
+from engine.ops.logits_processing import masked_logits, process_logits, process_row_ref
 from engine.runtime.sampling_params import SamplingParams
 
 
@@ -36,9 +36,11 @@ def test_the_batched_processing_equals_the_one_row_reference():
                 masks[r] = allowed
             rows.append((r, params, prompt, output))
             want[r] = process_row_ref(logits[r], params, prompt, output, allowed)
-        idx = sorted(masks)
-        masked = (idx, np.stack([masks[r] for r in idx])) if idx else None
-        got = process_logits(np, logits.copy(), rows, masked)
+        idx = sorted(masks)                    # the masks as rows of a table, in another order
+        table = np.stack([masks[r] for r in idx[::-1]] + [np.zeros(V + 3, bool)[:V]]) if idx else None
+        slots = np.full(R, -1, dtype=np.int32)
+        slots[idx] = np.arange(len(idx))[::-1]
+        got = process_logits(np, masked_logits(np, logits, table, slots), rows)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"trial {trial}")
 
 

@@ -9,9 +9,12 @@ and top-p. The order is vLLM's:
     frequency    times its count there (OpenAI's definition: the output only, not the prompt)
     min_p        after temperature T, p_i / p_max < min_p drops a token: z_i < z_max + T * ln(min_p)
 
-`process_row_ref` is the readable one-row reference; `process_logits` does the same for a batch on the
-backend (NumPy or CuPy), touching only the (row, token) pairs concerned: a request's unique tokens, not
-the whole [R, V] matrix, so its cost is the tokens of the requests that ask for penalties.
+`process_row_ref` is the readable one-row reference. For a batch on the backend (NumPy or CuPy),
+`masked_logits` makes the float32 copy the sampler reads with every structured output's mask applied
+(on the GPU one kernel, kernels_cu/logits_mask.cu: a step of hundreds of constrained rows is one launch,
+not a chain of gathers and scatters), and `process_logits` does the rest, touching only the (row,
+token) pairs concerned: a request's unique tokens, not the whole [R, V] matrix, so its cost is the
+tokens of the requests that ask for penalties.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.backend import load_kernel
+
+MASK_THREADS = 256
 
 def process_row_ref(z: np.ndarray, params, prompt: list[int], output: list[int],
                     allowed: np.ndarray | None = None) -> np.ndarray:
@@ -44,15 +50,31 @@ def process_row_ref(z: np.ndarray, params, prompt: list[int], output: list[int],
     return z
 
 
-def process_logits(xp, logits, rows: list[tuple[int, Any, list[int], list[int]]], masked=None):
-    """logits [R, V] (float32, modified in place and returned) after each listed row's processing.
+def masked_logits(xp, logits, table, slots: np.ndarray):
+    """A float32 copy of logits [R, V] with -inf wherever row r's mask refuses a token: the mask is
+    table[slots[r]] (bool [S, >= V], on the backend), and a row whose slot is -1 has none."""
+    R, V = logits.shape
+    if table is None or not (slots >= 0).any():
+        return logits.astype(xp.float32, copy=True)
+    if xp is np:
+        out = logits.astype(np.float32, copy=True)
+        rows = np.flatnonzero(slots >= 0)
+        out[rows] = np.where(table[slots[rows], :V], out[rows], np.float32(-np.inf))
+        return out
+    src = xp.ascontiguousarray(logits, dtype=xp.float32)
+    out = xp.empty((R, V), dtype=xp.float32)
+    blocks = min(-(-V // (4 * MASK_THREADS)), 64)       # each thread a few tokens of its row
+    load_kernel("logits_mask", "masked_copy_rows")((blocks, R), (MASK_THREADS,), (
+        src, table, xp.asarray(slots.astype(np.int32, copy=False)), out, np.int32(V), np.int32(table.shape[1])))
+    return out
 
-    rows: (row index, params, prompt ids, output ids) of the rows that ask for any processing;
-    masked: (row indices [M], allowed bool [M, V] on the backend) for structured outputs."""
+
+def process_logits(xp, logits, rows: list[tuple[int, Any, list[int], list[int]]]):
+    """logits [R, V] (float32, modified in place and returned) after each listed row's logit bias,
+    penalties and min-p (a structured output's mask comes first: masked_logits).
+
+    rows: (row index, params, prompt ids, output ids) of the rows that ask for any of them."""
     V = logits.shape[1]
-    if masked is not None and len(masked[0]):
-        sel = np.asarray(masked[0]) if xp is np else xp.asarray(masked[0])
-        logits[sel] = xp.where(masked[1][:, :V], logits[sel], xp.float32(-np.inf))
     bias_r, bias_t, bias_v = [], [], []
     rep_r, rep_t, rep_f = [], [], []
     pen_r, pen_t, pen_v = [], [], []

@@ -279,7 +279,9 @@ class EngineLoop:
 
         A launch that raises fails the requests of its batch; a step whose samples cannot be read
         (non-finite logits) fails the requests of its batch, whose rows in the step just launched
-        are then discarded."""
+        are then discarded. When step N+1's draw needs step N's tokens (penalties, structured outputs),
+        it is queued right after step N completes (ModelRunner.finish), while the device still runs
+        step N+1's forward pass; the handles are written after that."""
         previous, self._in_flight = self._in_flight, None
         launched = None
         runner.claim_cache(sched)
@@ -289,15 +291,24 @@ class EngineLoop:
                 launched = runner.launch(batch, self._seeds, previous)
             except Exception as exc:
                 self._abort(sched, batch.batch_id, exc)
+        out = tokens = None
         if previous is not None:
             try:
                 tokens = previous.tokens(is_live=sched.is_live)
             except Exception as exc:
                 self._abort(sched, previous.batch.batch_id, exc)
             else:
-                self._account(runner.complete(sched, previous, tokens), previous.launched_at, time.monotonic())
+                out = runner.complete(sched, previous, tokens)
         elif batch is None and sched.has_unfinished():
             raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+        if launched is not None and launched.waiting is not None:
+            try:
+                runner.finish(launched, previous, tokens, sched.is_live)
+            except Exception as exc:
+                self._abort(sched, launched.batch.batch_id, exc)
+                launched = None
+        if out is not None and previous is not None:
+            self._account(out, previous.launched_at, time.monotonic())
         self._in_flight = launched
 
     def step_by_hand(self, runner: ModelRunner, sched: Scheduler, seeds: dict[int, int]) -> StepOutput | None:

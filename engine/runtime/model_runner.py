@@ -8,6 +8,12 @@ after the other (synchronous) or overlapped with the next step's launch (async s
     tokens = launched.tokens()                 wait for the sampled ids (the only host sync of a step)
     out = runner.complete(sched, launched, tokens)   hand them to the scheduler: a StepOutput
 
+With async scheduling, a batch whose rows' logits depend on the token the batch in flight is still
+sampling (penalties, a structured output's mask) queues only its forward pass at launch; once that
+token is known, `runner.finish(launched, previous, tokens, is_live)` processes the logits and queues
+the draw. The host does that work (advancing the automata, gathering masks) while the device runs
+the forward pass, so it is off the device's critical path while it takes less time than the pass.
+
 A decode-only batch replays the CUDA graph of its size bucket (engine/runtime/cuda_graphs.py);
 anything else, or a step while a learner's stage is plugged in, runs `Model.forward` eagerly.
 """
@@ -24,13 +30,13 @@ import numpy as np
 
 from engine.model.forward_pass import ForwardBatch, Model
 from engine.model.kv_cache import KVCache, kv_bytes_per_token
-from engine.ops.logits_processing import process_logits, token_logprobs
+from engine.ops.logits_processing import masked_logits, process_logits, token_logprobs
 from engine.ops.sampling import SampledTokens, start_sampling
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.draft_model import DraftModelProposer
 from engine.runtime.engine_config import EngineConfig
 from engine.runtime.sampling_params import step_uniforms
-from engine.runtime.scheduler import Batch, Row, Scheduler, StepOutput
+from engine.runtime.scheduler import PENDING, Batch, Row, Scheduler, StepOutput
 from engine.runtime.speculative import verify_step
 from engine.runtime.structured_outputs import StructuredOutputs
 
@@ -100,6 +106,7 @@ class LaunchedStep:
     fed: list[Row] | None = None        # the rows `sampled` holds, in order (None: all of `sampling`)
     verify: Any = None                  # speculative decoding: () -> the tokens each verify row yields
     logprobs: Any = None                # (rows of `fed`, device arrays of token_logprobs) when asked for
+    waiting: Any = None                 # (logits, seeds): the draw waits for the batch in flight (finish())
 
     def token_logprobs(self) -> dict[int, tuple[float, list[tuple[int, float]]]]:
         """{request id: (the sampled token's logprob, [(id, logprob)] of the asked alternatives)} (after tokens())."""
@@ -118,6 +125,8 @@ class LaunchedStep:
         """The sampled ids, once the step has run: one per sampling row, a list for a verify row.
         is_live(request_id): only those rows' logits must be finite (async scheduling: the others
         belong to requests that ended meanwhile)."""
+        if self.waiting is not None:
+            raise RuntimeError("this step's draw waits for the batch before it: ModelRunner.finish() first")
         fed = self.sampling if self.fed is None else self.fed
         ids: list = []
         if self.sampled is not None:
@@ -202,7 +211,7 @@ class ModelRunner:
         logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
         if logits is None:
             logits = self.model.forward(fb, self.cache)
-        sampled = done = verify = logprobs = None
+        done = verify = None
         fed = sampling
         if any(row.draft for row in sampling):     # speculative decoding: verify rows read 1 + k positions
             offsets = np.cumsum([0] + [row.num_logits for row in sampling])[:-1]
@@ -212,41 +221,71 @@ class ModelRunner:
             verify = functools.partial(verify_step, xp, logits, checks, dict(seeds))
             plain = offsets[[i for i, row in enumerate(sampling) if not row.draft]]
             logits = logits[plain if xp is np else xp.asarray(plain)]
-        if fed:
-            raw = None
-            if any(getattr(row.params, "processes_logits", False) for row in fed):
-                raw, logits = logits, self._processed(logits, fed)
-            uniforms = step_uniforms([seeds[row.request_id] for row in fed], [row.num_generated for row in fed])
-            sampled = start_sampling(logits, [row.params for row in fed], uniforms, raw)
-            asked = [i for i, row in enumerate(fed) if getattr(row.params, "logprobs", None) is not None]
-            if asked:
-                k = max(fed[i].params.logprobs for i in asked)
-                logprobs = (asked, token_logprobs(self.backend.xp, logits if raw is None else raw, asked, sampled.ids, k))
-        elif self.backend.is_gpu:
+        if not fed and self.backend.is_gpu:
             done = self.backend.xp.cuda.Event(disable_timing=True)
             done.record()
-        return LaunchedStep(batch, sampling, sampled, t0, time.monotonic(), done, fed=fed, verify=verify,
-                            logprobs=logprobs)
+        step = LaunchedStep(batch, sampling, None, t0, time.monotonic(), done, fed=fed, verify=verify)
+        if fed and any(row.history is not None and PENDING in row.token_ids for row in fed):
+            step.waiting = (logits, dict(seeds))      # the draw needs a token the batch in flight samples
+        elif fed:
+            self._draw(step, logits, seeds, {})
+        return step
 
-    def _processed(self, logits, fed: list[Row]):
+    def finish(self, step: LaunchedStep, previous: LaunchedStep | None, tokens: list | None, is_live) -> None:
+        """Async scheduling: queue the draw of a step launched while `previous` was in flight, now that
+        `previous` has sampled `tokens` (None: it failed) and the scheduler has them. Rows whose
+        request ended or failed meanwhile are drawn unprocessed (their tokens are discarded)."""
+        if step.waiting is None:
+            return
+        (logits, seeds), step.waiting = step.waiting, None
+        known = {}
+        if previous is not None and tokens is not None:
+            known = {row.request_id: token for row, token in zip(previous.sampling, tokens, strict=True)
+                     if is_live(row.request_id)}
+        self._draw(step, logits, seeds, known)
+
+    def _draw(self, step: LaunchedStep, logits, seeds: dict[int, int], known: dict) -> None:
+        """Queue the sampling (and the asked log-probabilities) of the step's rows that are not verify
+        rows; `known`: the tokens, by request, that rows holding a pending token were waiting for."""
+        fed = step.sampling if step.fed is None else step.fed
+        raw = None
+        if any(getattr(row.params, "processes_logits", False) for row in fed):
+            raw, logits = logits, self._processed(logits, fed, known)
+        uniforms = step_uniforms([seeds[row.request_id] for row in fed], [row.num_generated for row in fed])
+        step.sampled = start_sampling(logits, [row.params for row in fed], uniforms, raw)
+        asked = [i for i, row in enumerate(fed) if getattr(row.params, "logprobs", None) is not None]
+        if asked:
+            k = max(fed[i].params.logprobs for i in asked)
+            step.logprobs = (asked, token_logprobs(self.backend.xp, logits if raw is None else raw, asked,
+                                                   step.sampled.ids, k))
+
+    def _processed(self, logits, fed: list[Row], known: dict):
         """The sampling rows' logits after their penalties, logit bias, min-p and structured-output
         masks (engine/ops/logits_processing.py): a float32 copy, so a graph's output buffer is never
-        written."""
+        written. A row holding a pending token counts it from `known`; without it (its request ended
+        or failed while the token was drawn) the row is left as it is."""
         xp = self.backend.xp
-        logits = logits.astype(xp.float32, copy=True)
-        rows, masked, slots = [], [], []
+        rows, masked, constrained = [], [], []
         for i, row in enumerate(fed):
             params = row.params
             if not getattr(params, "processes_logits", False):
                 continue
             prompt, output = row.history or ([], [])
-            rows.append((i, params, prompt, output))
+            if row.history is not None and PENDING in row.token_ids:
+                if row.request_id not in known:
+                    continue
+                token = known[row.request_id]
+                output = output + (token if isinstance(token, list) else [token])
+            if params.adjusts_logits:
+                rows.append((i, params, prompt, output))
             if params.structured is not None:
                 masked.append(i)
-                slots.append(self.structured.slot(row.request_id, params.structured, output))
-        # the structured outputs' masks, gathered from the runner's table of masks with one index
-        allowed = self.structured.table[np.asarray(slots) if xp is np else xp.asarray(slots)] if slots else None
-        return process_logits(xp, logits, rows, (masked, allowed) if slots else None)
+                constrained.append((row.request_id, params.structured, output))
+        # each constrained row's mask: a row of the runner's table of masks (-1: the row has none)
+        slots = np.full(len(fed), -1, dtype=np.int32)
+        if masked:
+            slots[masked] = self.structured.slots(constrained)
+        return process_logits(xp, masked_logits(xp, logits, self.structured.table, slots), rows)
 
     def _feedback(self, batch: Batch, previous: LaunchedStep | None):
         """ForwardBatch.feedback of a batch with PENDING tokens: (their indices, the device ids that

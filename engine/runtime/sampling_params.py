@@ -5,7 +5,7 @@ one token per row of logits, is sampling's device half: engine/ops/sampling.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +45,13 @@ class SamplingParams:
     # log-probabilities of each generated token (and of the `logprobs` most likely alternatives), from
     # the model's own distribution: the log-softmax of its logits before any processing or temperature
     logprobs: int | None = None
+    # what the runner asks of every row of every step, computed once from the fields above:
+    # needs_history  its logits depend on the tokens so far (penalties, a structured output): its rows carry them
+    # adjusts_logits logit bias, a penalty or min-p: what process_logits applies row by row
+    # processes_logits anything between the model's logits and the draw besides temperature, top-k and top-p
+    needs_history: bool = field(init=False, repr=False, compare=False, default=False)
+    adjusts_logits: bool = field(init=False, repr=False, compare=False, default=False)
+    processes_logits: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self):
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -81,23 +88,18 @@ class SamplingParams:
                       "repetition_penalty": float(self.repetition_penalty), "min_p": float(self.min_p),
                       "logit_bias": _logit_bias(self.logit_bias), "structured": _structured(self.structured),
                       "logprobs": None if self.logprobs is None else int(self.logprobs)}
+        penalized = bool(normalized["presence_penalty"] or normalized["frequency_penalty"]
+                         or normalized["repetition_penalty"] != 1.0)
+        normalized["needs_history"] = penalized or normalized["structured"] is not None
+        normalized["adjusts_logits"] = penalized or bool(normalized["logit_bias"]) \
+            or (normalized["min_p"] > 0 and normalized["temperature"] > 0)
+        normalized["processes_logits"] = normalized["needs_history"] or normalized["adjusts_logits"]
         for name, value in normalized.items():      # plain Python values from here on
             object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    @property
-    def needs_history(self) -> bool:
-        """Its logits depend on the tokens so far (penalties, a structured output): its rows carry them."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.structured is not None)
-
-    @property
-    def processes_logits(self) -> bool:
-        """Anything between the model's logits and the draw besides temperature, top-k and top-p."""
-        return self.needs_history or bool(self.logit_bias) or (self.min_p > 0 and not self.greedy)
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:

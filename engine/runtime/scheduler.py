@@ -214,7 +214,8 @@ class Row:
     # its logits are read at all 1 + len(draft) positions, and it yields 1 .. 1 + len(draft) tokens)
     draft: list[int] = field(default_factory=list)
     # (prompt ids, generated ids) when the request's logits depend on its tokens so far (penalties, a
-    # structured output: params.needs_history); such a request's rows never hold a pending token
+    # structured output: params.needs_history); with async scheduling the row may hold one pending
+    # token, which `generated` lacks: the runner adds it before the draw (ModelRunner.finish)
     history: tuple[list[int], list[int]] | None = None
 
     @property
@@ -1151,14 +1152,13 @@ class Scheduler:
         sat_out = 0
         for rid in request_ids:
             request = self._requests[rid]
-            if request.pending and (speculate or request.needs_history) and request.status == "running":
+            if request.pending and speculate and request.status == "running":
                 sat_out += 1
             if request.status != "running" or self._finishes_pending(request) or request.verifying \
-                    or (request.pending and (speculate or request.needs_history)):
+                    or (request.pending and speculate):
                 continue      # preempted for an older request of this step; ends with its pending token;
                               # its verify row is in flight (how many tokens it yields is not known yet);
-                              # or it speculates, or its logits depend on its last token (penalties, a
-                              # structured output): it sits out the lookahead until that token is known
+                              # or it speculates: it sits out the lookahead until its token is known
             chunk = request.num_remaining if budget is None else min(request.num_remaining, budget)
             if chunk < 1:
                 break

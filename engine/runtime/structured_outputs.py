@@ -2,14 +2,19 @@
 (engine/structured/) and the mask of the tokens it allows next.
 
 A request's automaton state is a function of its generated tokens, so the runner keeps one matcher per
-request and advances it over the tokens generated since it last looked (row.history); when they do not
-continue what it saw (a failed step was retried), it starts again from the empty output. Matchers are
-kept for the most recent requests only (an evicted one is rebuilt from its tokens), so nothing needs
-to tell the runner that a request ended. Compiled constraints and per-state masks are cached by
-engine/structured, so a schema that many requests share compiles once and each state's mask is built
-once; the runner keeps each (constraint, state) mask in a table on the device as well, so a step of
-many constrained rows uploads only the masks of states it has not seen and gathers the rows' masks
-with one index, not one [V] upload per row.
+request and advances it over the tokens generated since it last looked (row.history: one per step);
+when they do not continue what it saw (a failed step was retried: its token is gone), it starts
+again from the empty output. Matchers are kept for the most recent requests only (an evicted one is
+rebuilt from its tokens), so nothing needs to tell the runner that a request ended. Compiled
+constraints and per-state masks are cached by engine/structured, so a schema that many requests
+share compiles once and each state's mask is built once; the runner keeps each (constraint, state)
+mask in a table on the device as well, so a step of many constrained rows uploads only the masks of
+states it has not seen and gathers the rows' masks with one index, not one [V] upload per row.
+
+This runs for every constrained row of every step, on the engine loop's thread, so it is kept to a
+few dictionary operations per row: with async scheduling it overlaps the device's forward pass
+(ModelRunner.finish), and at hundreds of rows per step the loop's own time is what bounds a small
+model's throughput.
 
 What it costs is counted: `mask_seconds` (host time spent advancing matchers and finding masks, on
 the engine loop), `masks_built` (states whose mask was made or uploaded) and `masks_reused`.
@@ -17,7 +22,6 @@ the engine loop), `masks_built` (states whose mask was made or uploaded) and `ma
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -32,12 +36,12 @@ class StructuredOutputs:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, set(eos_token_ids)
         self.xp = xp
         self._vocab: Any = None               # engine.structured.TokenVocabulary, built on first use
-        self._matchers: OrderedDict[int, tuple[Any, int, list[int]]] = OrderedDict()
+        self._matchers: dict[int, list] = {}      # request id -> [matcher, tokens it took, the last one]
         # every (constraint, state, ended) mask met so far, one row each of a table on the device: a step
-        # gathers its rows' masks with one index (least recently used rows are written over)
+        # gathers its rows' masks with one index
         self.capacity = max(MIN_SLOTS, DEVICE_MASK_BYTES // max(1, vocab_size))
         self.table: Any = None                                  # bool [capacity, V], made on first use
-        self._slots: OrderedDict[tuple, tuple[int, Any]] = OrderedDict()
+        self._slots: dict[tuple, tuple[int, Any]] = {}
         self.mask_seconds = 0.0
         self.masks_built = self.masks_reused = 0
 
@@ -53,30 +57,43 @@ class StructuredOutputs:
         kind, spec = structured
         return compile_constraint(kind, spec, self._vocab)
 
-    def slot(self, request_id: int, structured: tuple, output: list[int]) -> int:
-        """The row of `table` holding the tokens the request's constraint allows after `output`."""
+    def slots(self, requests: list[tuple[int, tuple, list[int]]]) -> list[int]:
+        """The rows of `table` holding the tokens each (request id, constraint, output ids) allows next."""
         from engine.structured.token_mask import TokenMatcher
         t0 = time.perf_counter()
-        entry = self._matchers.pop(request_id, None)
-        if entry is None or entry[1] > len(output) or output[:entry[1]] != entry[2][:entry[1]]:
-            entry = (TokenMatcher(self.compile(structured)), 0, [])
-        matcher, seen, _ = entry
-        for token in output[seen:]:
-            matcher.advance(token)
-        self._matchers[request_id] = (matcher, len(output), list(output))
-        while len(self._matchers) > KEEP_MATCHERS:
-            self._matchers.popitem(last=False)
-        key = (id(matcher.compiled), matcher.state, matcher.ended)
-        held = self._slots.pop(key, None)
-        if held is None or held[1] is not matcher.compiled:     # (an id reused by a newer constraint)
-            self.masks_built += 1
-            if self.table is None:
-                self.table = self.xp.zeros((self.capacity, self.vocab_size), dtype=bool)
-            slot = len(self._slots) if len(self._slots) < self.capacity else self._slots.popitem(last=False)[1][0]
-            self.table[slot] = self.xp.asarray(matcher.allowed_mask())
-            held = (slot, matcher.compiled)
-        else:
-            self.masks_reused += 1
-        self._slots[key] = held
+        out = []
+        matchers, slots = self._matchers, self._slots
+        if len(slots) + len(requests) > self.capacity:    # the table is full: every row is given up,
+            slots.clear()                                 # and the masks in use come back one by one
+        built = self.masks_built
+        for request_id, structured, output in requests:
+            entry = matchers.get(request_id)
+            n = len(output)
+            # (tokens never change once a step completes; a failed step takes its token back)
+            if entry is None or entry[1] > n or (entry[1] and output[entry[1] - 1] != entry[2]):
+                entry = [TokenMatcher(self.compile(structured)), 0, None]
+                matchers.pop(request_id, None)
+                matchers[request_id] = entry
+                while len(matchers) > KEEP_MATCHERS:        # the least recently started requests go
+                    del matchers[next(iter(matchers))]
+            matcher = entry[0]
+            for token in output[entry[1]:]:
+                matcher.advance(token)
+            entry[1], entry[2] = n, (output[-1] if n else None)
+            key = (id(matcher.compiled), matcher.state, matcher.ended)
+            held = slots.get(key)
+            if held is None or held[1] is not matcher.compiled:     # (an id reused by a newer constraint)
+                held = slots[key] = (self._upload(matcher), matcher.compiled)
+                self.masks_built += 1
+            out.append(held[0])
+        self.masks_reused += len(out) - (self.masks_built - built)
         self.mask_seconds += time.perf_counter() - t0
-        return held[0]
+        return out
+
+    def _upload(self, matcher) -> int:
+        """The next free row of `table`, with the matcher's mask written in it."""
+        if self.table is None:
+            self.table = self.xp.zeros((self.capacity, self.vocab_size), dtype=bool)
+        slot = len(self._slots)
+        self.table[slot] = self.xp.asarray(matcher.allowed_mask())
+        return slot
