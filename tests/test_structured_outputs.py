@@ -76,6 +76,36 @@ def test_constrained_rows_run_in_the_lookahead_and_match_one_step_at_a_time(tiny
     assert sum(waited) >= steps - 3          # every step but the first ones waited for the one in flight
 
 
+def test_the_runners_matchers_follow_reused_ids_and_retried_steps(llm):
+    """The runner's per-request matchers (engine/runtime/structured_outputs.py) start again for another
+    request under a reused id (a hand-driven scheduler restarts ids), even before either took a
+    token, and when a retried step's token differs from the one they took."""
+    import numpy as np
+
+    from engine.structured.token_mask import TokenMatcher
+    s = llm.runner.structured
+    digits, letters = ("regex", "[0-9]{1,4}x"), ("regex", "[a-z]{1,4}")
+
+    def mask(structured, output):
+        slot = s.slots([(777, structured, output)])[0]
+        return np.asarray(s.table[slot])
+
+    def fresh(structured, output):
+        m = TokenMatcher(s.compile(structured))
+        for token in output:
+            m.advance(token)
+        return m.allowed_mask()
+
+    np.testing.assert_array_equal(mask(digits, []), fresh(digits, []))
+    np.testing.assert_array_equal(mask(letters, []), fresh(letters, []))       # same id, not a token yet
+    first = fresh(digits, [])
+    a, b = (int(t) for t in np.flatnonzero(first)[:2])
+    np.testing.assert_array_equal(mask(digits, []), fresh(digits, []))
+    np.testing.assert_array_equal(mask(digits, [a]), fresh(digits, [a]))
+    np.testing.assert_array_equal(mask(digits, [b]), fresh(digits, [b]))       # the step again, another token
+    assert not np.array_equal(fresh(digits, []), fresh(letters, []))
+
+
 def test_choices_and_json_schema_validate_whatever_the_weights(llm):
     for out in llm.generate(["Pick:"] * 4, sampled(4, ("choice", ["red", "green", "deep blue"]))):
         assert out.text in ("red", "green", "deep blue")

@@ -36,7 +36,7 @@ class StructuredOutputs:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, set(eos_token_ids)
         self.xp = xp
         self._vocab: Any = None               # engine.structured.TokenVocabulary, built on first use
-        self._matchers: dict[int, list] = {}      # request id -> [matcher, tokens it took, the last one]
+        self._matchers: dict[int, list] = {}      # request id -> [matcher, tokens it took, the last one, spec]
         # every (constraint, state, ended) mask met so far, one row each of a table on the device: a step
         # gathers its rows' masks with one index
         self.capacity = max(MIN_SLOTS, DEVICE_MASK_BYTES // max(1, vocab_size))
@@ -69,9 +69,11 @@ class StructuredOutputs:
         for request_id, structured, output in requests:
             entry = matchers.get(request_id)
             n = len(output)
-            # (tokens never change once a step completes; a failed step takes its token back)
-            if entry is None or entry[1] > n or (entry[1] and output[entry[1] - 1] != entry[2]):
-                entry = [TokenMatcher(self.compile(structured)), 0, None]
+            # another request under a reused id (a hand-driven scheduler restarts ids), or a failed step
+            # took its token back (tokens never change once a step completes)
+            if entry is None or entry[3] is not structured or entry[1] > n \
+                    or (entry[1] and output[entry[1] - 1] != entry[2]):
+                entry = [TokenMatcher(self.compile(structured)), 0, None, structured]
                 matchers.pop(request_id, None)
                 matchers[request_id] = entry
                 while len(matchers) > KEEP_MATCHERS:        # the least recently started requests go
