@@ -8,7 +8,8 @@ achieved bandwidth next to the device's measured copy bandwidth. Prints a table,
 The `ladder` case times each version of a stage that keeps its first, naive kernel beside the fast
 one (RMSNorm, the prefill softmax, paged attention), checked the same way: the chapters show it.
 The `gemv` group puts the decode GEMV (kernels_cu/gemv.cu) beside cuBLAS on the decode projections
-(1..8 rows), both timed from CUDA graphs that cycle over copies of W (no launch gaps, no L2 hits).
+(1..8 rows), both timed from CUDA graphs that cycle over copies of W (no launch gaps, no L2 hits);
+the `quant_gemv` group the int4 and int8 GEMV (kernels_cu/quant_gemv.cu) beside it at batch 1.
 
     python -m engine.kernel_bench [--json out.jsonl] [--quick] [--check-only] [--only GROUP ...]
     python -m engine.kernel_bench --ladder rmsnorm|softmax|paged_attention|flash_attention|gemv|all [--json run.json]
@@ -285,6 +286,43 @@ class Bench:
                 self.record("gemv_bf16 decode", shape, rel_err(out.get(), ref), tol, ms, nbytes,
                             note="; ".join(n for n in (speed, l2_note) if n))
             del copies
+
+    QUANT_GEMV_SHAPES = GEMV_SHAPES[:4]       # Llama-3.2-1B's qkv, o, gate_up, down
+
+    def quant_gemv(self):
+        """Batch-1 decode projections with int4 and int8 weights (kernels_cu/quant_gemv.cu, group 128)
+        beside the bf16 GEMV on the same W, checked against quant_linear_ref and timed as `gemv` is
+        (a CUDA graph cycling over copies of the weight). GB/s counts qweight + scales + zeros + x."""
+        from engine.backend import tensor_cores_usable
+        from engine.ops.gemv import gemv
+        from engine.ops.quant_gemv import quant_gemv
+        from engine.ops.quantization import QuantizedWeight, quant_linear_ref, quantize_ref
+        cp = self.cp
+        for name, N, K in self.QUANT_GEMV_SHAPES:
+            w, w_h = self.bf16(N, K, scale=K ** -0.5)
+            x, x_h = self.bf16(1, K)
+            shape = f"{name} N={N} K={K} T=1"
+            runs = [("gemv_bf16 decode", w, 2 * N * K, None)] if tensor_cores_usable(cp.cuda.Device().id) else []
+            for bits in (4, 8):
+                qh = quantize_ref(w_h, bits, 128)
+                qw = QuantizedWeight(cp.asarray(qh.qweight), cp.asarray(qh.scales), cp.asarray(qh.zeros), bits,
+                                     qh.group_size, qh.shape)
+                runs.append((f"quant_gemv int{bits} decode", qw, qw.nbytes, quant_linear_ref(x_h, qh)))
+            ms_bf16 = None
+            for kernel, weight, wbytes, ref in runs:
+                fn, clone = (gemv, lambda a: a.copy()) if ref is None else (quant_gemv, lambda q: QuantizedWeight(
+                    q.qweight.copy(), q.scales.copy(), q.zeros.copy(), q.bits, q.group_size, q.shape))
+                copies = [weight]
+                if not self.check_only:        # distinct addresses, same values: every pass reads HBM
+                    copies += [clone(weight) for _ in range(min(511, -(-self.GEMV_FLUSH_BYTES // wbytes) - 1))]
+                with self.poisoned():
+                    out = fn(x, weight)
+                ms = self.graph_time_ms([lambda c=c: fn(x, c, out) for c in copies], -(-8 // len(copies)))
+                err = rel_err(out.get(), _linear_ref64(x_h, w_h) if ref is None else ref)
+                ms_bf16 = ms if ref is None else ms_bf16
+                speed = f"{ms_bf16 / ms:.2f}x gemv_bf16" if ms and ms_bf16 and ref is not None else ""
+                self.record(kernel, shape, err, _fp32_acc_tol(K), ms, wbytes + 2 * K, note=speed)
+                del copies
 
     def swiglu(self):
         from engine.ops.swiglu import swiglu, swiglu_ref
@@ -641,7 +679,7 @@ def _short(ctxs):
     return f"{ctxs[0]}x{len(ctxs)}" if len(set(ctxs)) == 1 else f"{min(ctxs)}..{max(ctxs)}x{len(ctxs)}"
 
 
-ALL = ["embedding", "rmsnorm", "rope", "linear", "gemv", "swiglu", "argmax", "prefill_attention", "flash", "paged",
+ALL = ["embedding", "rmsnorm", "rope", "linear", "gemv", "quant_gemv", "swiglu", "argmax", "prefill_attention", "flash", "paged",
        "sampling", "ladder", "ladders"]
 
 

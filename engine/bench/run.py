@@ -24,6 +24,8 @@ ceiling (copy bandwidth). Scenarios:
   chat-turns     a --turns-turn conversation with and without prefix caching: time to first token per turn
   spec-decode    batch 1, greedy, a prompt whose answer quotes it and a random one: plain decoding and
            n-gram speculation with each of --spec-k guesses, in the same run (engine/bench/speculative.py)
+  quantized      batch-1 decode and a --prefill-len prefill with the checkpoint's weights and each of
+           --quantization (int8, int4, quantized on load), in the same run (engine/bench/quantized.py)
   structured     --requests chat requests for a JSON record, free and constrained to a JSON schema, in the
            same run: output tok/s, answers that parse and conform, mask time (engine/bench/structured.py)
   fair-flood     --requests streaming requests from --room-clients API keys, alone and again just after
@@ -61,7 +63,7 @@ from engine.bench.workload import emit, random_prompt, serve_workload, warm_up_r
 from engine.formats.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
-             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood", "spec-decode", "structured")
+             "chunked-itl", "shared-prefix", "chat-turns", "fair-flood", "spec-decode", "structured", "quantized")
 
 
 def device_name(backend) -> str:
@@ -511,6 +513,10 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prompt", type=int, default=32768, help="chunked-itl: the prompt that arrives")
     ap.add_argument("--http-clients", type=int, default=4, help="serve-http: load-generator processes")
     ap.add_argument("--spec-k", type=int, nargs="+", default=[2, 4, 8], help="spec-decode: guesses per verify row")
+    ap.add_argument("--quantization", nargs="+", default=["int8", "int4"], choices=["int8", "int4"],
+                    help="quantized: the quantizations compared with the checkpoint's weights")
+    ap.add_argument("--group-size", type=int, default=128, help="quantized: inputs per scale and zero point")
+    ap.add_argument("--prefill-len", type=int, default=2048, help="quantized: the prompt of the timed prefill")
     ap.add_argument("--spec-draft", metavar="DIR", help="spec-decode: also a draft model's guesses (same tokenizer)")
     ap.add_argument("--room-clients", type=int, default=8, help="fair-flood: API keys the room's requests use")
     ap.add_argument("--flood-requests", type=int, default=1000, help="fair-flood: requests the flooding key sends")
@@ -593,6 +599,10 @@ def main(argv=None) -> int:
         from engine.bench.structured import scenario_structured
         model = None
         scenario_structured(args, setup, model_dir, backend)
+    if "quantized" in args.scenario:
+        from engine.bench.quantized import scenario_quantized
+        model = None
+        scenario_quantized(args, setup, model_dir, backend, ceiling)
     if "fair-flood" in args.scenario:
         from engine.bench.flood import scenario_fair_flood
         model = None

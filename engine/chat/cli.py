@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative decoding: 'ngram' or 'ngram:K' (K guesses per step, default 4): the "
                          "model checks guesses looked up in the conversation; 'draft:DIR': a smaller "
                          "model of the same tokenizer guesses (chapter 16)")
+    ap.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                    help="weight-only quantization on load: int8 or int4 (group-wise, 128 inputs per scale; "
+                         "chapter 18); an AWQ checkpoint runs its own 4-bit weights")
     ap.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     ap.add_argument("--system", default=None, help="system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=512)
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
                 model_dir = args.model
             from engine.runtime.speculative import SpeculativeConfig
             chat = Chat(model_dir, args.backend, params, args.system, args.max_context,
-                        speculative=SpeculativeConfig.from_cli(args.speculative))
+                        speculative=SpeculativeConfig.from_cli(args.speculative), quantization=args.quantization)
         if args.prompt is not None:
             turn = chat.answer(args.prompt)
             if args.stats:

@@ -28,13 +28,13 @@ class Chat(ConversationFrontEnd):
     """A conversation on a local engine.LLM: each turn is one request."""
 
     def __init__(self, model_dir, backend: str, params, system: str | None, max_context: int | None, llm=None,
-                 speculative: dict | None = None):
+                 speculative: dict | None = None, quantization: str | None = None):
         from engine.formats.config import load_config
         from engine.runtime.engine_config import default_max_context
         from engine.runtime.llm import LLM
         config = load_config(model_dir)          # first: its error says "not a model directory"
         if llm is None:    # one conversation: a pool of one context is enough
-            llm = LLM(model_dir, backend, max_seqs=1, speculative=speculative,
+            llm = LLM(model_dir, backend, max_seqs=1, speculative=speculative, quantization=quantization,
                       max_context=engine_context(max_context, config.max_position_embeddings)
                       or default_max_context(config.max_position_embeddings))
         self.llm, self.tokenizer = llm, llm.tokenizer

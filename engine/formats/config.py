@@ -35,6 +35,15 @@ MAX_SIZE = 2**24               # any one dimension (hidden, heads, layers, ...):
 
 
 @dataclass(frozen=True)
+class AwqSettings:
+    """A pre-quantized AWQ checkpoint (AutoAWQ's GEMM format, config.json's `quantization_config`):
+    4-bit weights with a zero point, `group_size` inputs per scale (the whole row for -1)."""
+
+    group_size: int
+    bits: int = 4
+
+
+@dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 frequency scaling (rope_type 'llama3'): stretches the long wavelengths."""
 
@@ -88,6 +97,7 @@ class LlamaConfig(ModelShape):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    awq: AwqSettings | None = None      # the checkpoint's projections are AWQ-quantized
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
@@ -108,11 +118,14 @@ class LlamaConfig(ModelShape):
         if self.model_type != "qwen2":          # Qwen2 always has its q/k/v biases: no key for them
             d.update(attention_bias=False, mlp_bias=False)
         for k, v in asdict(self).items():
-            if k in ("extra", "eos_token_ids", "rope_scaling", "qkv_bias", "qk_norm", "model_type"):
+            if k in ("extra", "eos_token_ids", "rope_scaling", "qkv_bias", "qk_norm", "model_type", "awq"):
                 continue
             d[k] = v
         d["rope_scaling"] = None if self.rope_scaling is None else {"rope_type": "llama3", **asdict(self.rope_scaling)}
         d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        if self.awq is not None:
+            d["quantization_config"] = {"quant_method": "awq", "bits": self.awq.bits, "version": "gemm",
+                                        "zero_point": True, "group_size": self.awq.group_size}
         return d
 
 
@@ -171,7 +184,6 @@ _NEUTRAL = {
     "qk_norm": (False,),
     "use_qk_norm": (False,),
     "no_rope_layers": (None,),
-    "quantization_config": (None,),
     "embedding_multiplier": (None, 1.0, 1),
     "logits_scaling": (None, 1.0, 1),
     "residual_multiplier": (None, 1.0, 1),
@@ -328,6 +340,29 @@ def _token_ids(v, key: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _awq(d: dict) -> AwqSettings | None:
+    """config.json's quantization_config: None, or an AutoAWQ GEMM checkpoint (4 bits, zero points).
+    Any other method or setting is refused with the key named, never approximated."""
+    q = d.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"config.json: quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "awq":
+        raise ConfigError(f"config.json: quantization_config.quant_method={method!r} is not supported "
+                          "(supported: 'awq', AutoAWQ's GEMM format; or load with quantization='int8'/'int4')")
+    for key, allowed in (("bits", (4,)), ("zero_point", (True,)), ("version", ("gemm", "GEMM")),
+                         ("modules_to_not_convert", (None, []))):
+        if q.get(key, allowed[0]) not in allowed or (key == "zero_point" and q.get(key, True) is not True):
+            raise ConfigError(f"config.json: quantization_config.{key}={q.get(key)!r} is not supported "
+                              f"(supported: {allowed[0]!r})")
+    group = q.get("group_size", 128)
+    if not is_int(group) or isinstance(group, bool) or not (group == -1 or 0 < group <= MAX_SIZE):
+        raise ConfigError(f"config.json: quantization_config.group_size must be a positive integer or -1, got {group!r}")
+    return AwqSettings(group_size=int(group))
+
+
 def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaConfig:
     """Validate a config.json dict; generation_config (if given) adds eos ids."""
     family = model_family(d)
@@ -352,7 +387,7 @@ def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaCon
         **asdict(shape),
         rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0, lo_open=False),
         rope_theta=theta, max_position_embeddings=max_positions, rope_scaling=scaling,
-        bos_token_id=bos, eos_token_ids=eos, model_type=family, extra=d,
+        bos_token_id=bos, eos_token_ids=eos, model_type=family, awq=_awq(d), extra=d,
     )
 
 

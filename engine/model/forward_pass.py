@@ -28,6 +28,7 @@ from engine.ops.flash_attention import flash_attention, kernel_supports
 from engine.ops.kv_write import kv_write
 from engine.ops.linear import linear
 from engine.ops.paged_attention import check_gpu_shape, paged_attention
+from engine.ops.quantization import DEFAULT_GROUP_SIZE
 from engine.ops.rmsnorm import add_rmsnorm, rmsnorm
 from engine.ops.rope import rope_qkv, rope_tables
 from engine.ops.swiglu import swiglu
@@ -251,9 +252,14 @@ class Model:
         return argmax_rows(logits)
 
 
-def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None) -> Model:
-    """Load a Llama, Qwen2 or Qwen3 model directory (config.json + safetensors) on the chosen backend."""
+def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None,
+               quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> Model:
+    """Load a Llama, Qwen2 or Qwen3 model directory (config.json + safetensors) on the chosen backend.
+
+    quantization "int8" | "int4": every projection quantized on load (weight-only, `group_size` inputs
+    per scale and zero point; chapter 18). An AWQ checkpoint (config.json's quantization_config) runs
+    its own 4-bit weights without being asked."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     b = resolve_backend(backend)
-    return Model(config, load_weights(model_dir, config, b), b, max_context)
+    return Model(config, load_weights(model_dir, config, b, quantization, group_size), b, max_context)

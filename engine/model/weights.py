@@ -23,12 +23,18 @@ import numpy as np
 from engine.backend import Backend
 from engine.formats.config import ConfigError, LlamaConfig, ModelShape, model_shape
 from engine.formats.safetensors import Checkpoint, open_checkpoint
+from engine.ops.quantization import DEFAULT_GROUP_SIZE, QuantizedWeight, check_settings, from_awq, quantize_ref
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
+QUANTIZATIONS = {"int8": 8, "int4": 4}      # load_model(..., quantization=...): weight-only, group-wise
+# an AWQ checkpoint's tensors for one projection of N outputs and K inputs, group G: (suffix, shape, dtype)
+AWQ_TENSORS = (("qweight", lambda N, K, G: (K, N // 8), "I32"), ("qzeros", lambda N, K, G: (K // G, N // 8), "I32"),
+               ("scales", lambda N, K, G: (K // G, N), "F16"))
 
 
 @dataclass
 class LayerWeights:
+    # each projection (qkv, o, gate_up, down) is a matrix, or a QuantizedWeight of the same [N, K]
     input_norm: object    # [H]              fp32
     qkv: object           # [Hq*D + 2*Hkv*D, H]  q rows, then k rows, then v rows
     o: object             # [H, Hq*D]
@@ -129,6 +135,15 @@ def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
                           f"the checkpoint holds {layers} layer(s)")
     _check_tying(ckpt, config)
     expected = expected_shapes(config)
+    dtypes: dict[str, tuple[str, ...]] = dict.fromkeys(expected, FLOAT_DTYPES)
+    if config.awq is not None:           # each projection's weight is three AWQ tensors
+        for name in [n for n in expected if n.endswith("_proj.weight")]:
+            N, K = expected.pop(name)
+            del dtypes[name]
+            G = _awq_group(config, name, K)
+            for suffix, shape_of, dtype in AWQ_TENSORS:
+                expected[name[:-len("weight")] + suffix] = shape_of(N, K, G)
+                dtypes[name[:-len("weight")] + suffix] = (dtype,)
     missing = [n for n in expected if n not in ckpt]
     if missing:
         raise ConfigError(f"{ckpt.path}: {len(missing)} expected tensor(s) missing, e.g. {missing[:3]}")
@@ -140,9 +155,19 @@ def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
         if tuple(ckpt.shape(name)) != shape:
             raise ConfigError(f"{ckpt.path}: tensor {name!r} has shape {tuple(ckpt.shape(name))}, "
                               f"config.json implies {shape}")
-        if ckpt.dtype(name) not in FLOAT_DTYPES:
-            raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; weights must be "
-                              f"one of {FLOAT_DTYPES}")
+        if ckpt.dtype(name) not in dtypes[name]:
+            raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; it must be "
+                              f"one of {dtypes[name]}")
+
+
+def _awq_group(config: LlamaConfig, name: str, K: int) -> int:
+    """The AWQ group size for a projection of K inputs (ConfigError if it cannot describe the weight)."""
+    assert config.awq is not None
+    G = K if config.awq.group_size == -1 else config.awq.group_size
+    if K % G or K % 8:
+        raise ConfigError(f"config.json: quantization_config.group_size={config.awq.group_size} does not divide "
+                          f"the {K} inputs of {name}")
+    return G
 
 
 class NonFiniteWeightsError(ConfigError):
@@ -167,11 +192,41 @@ def check_finite(name: str, host: np.ndarray) -> None:
 
 
 class _Loader:
-    """Reads tensors as float32 (CPU) or as bf16 device arrays (GPU), fusing row blocks."""
+    """Reads tensors as float32 (CPU) or as bf16 device arrays (GPU), fusing row blocks; projections
+    quantized on load (bits, group_size) or read from an AWQ checkpoint (config.awq)."""
 
-    def __init__(self, ckpt: Checkpoint, backend: Backend):
+    def __init__(self, ckpt: Checkpoint, backend: Backend, config: LlamaConfig,
+                 bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE):
         self.ckpt, self.gpu = ckpt, backend.is_gpu
         self.xp = backend.xp
+        self.config, self.bits, self.group_size = config, bits, group_size
+
+    def projection(self, *names: str):
+        """The named projections (HF names without ".weight"), fused along rows: a matrix, or a
+        QuantizedWeight when the model is quantized."""
+        if self.config.awq is not None:
+            parts = [self._awq(n) for n in names]
+        elif self.bits is not None:
+            parts = [self._quantized(n, self.bits) for n in names]
+        else:
+            return self.matrix(*(n + ".weight" for n in names))
+        qweight, scales, zeros = (np.concatenate([getattr(p, a) for p in parts]) for a in ("qweight", "scales", "zeros"))
+        fused = QuantizedWeight(qweight, scales, zeros, bits=parts[0].bits, group_size=parts[0].group_size,
+                                shape=(sum(p.shape[0] for p in parts), parts[0].shape[1]))
+        if self.gpu:
+            fused.qweight, fused.scales, fused.zeros = (self.xp.asarray(a) for a in
+                                                        (fused.qweight, fused.scales, fused.zeros))
+        return fused
+
+    def _awq(self, name: str) -> QuantizedWeight:
+        qweight, qzeros, scales = (self.ckpt.get_tensor(f"{name}.{suffix}") for suffix, _, _ in AWQ_TENSORS)
+        check_finite(f"{name}.scales", scales)
+        return from_awq(qweight, qzeros, scales, _awq_group(self.config, name, qweight.shape[0]))
+
+    def _quantized(self, name: str, bits: int) -> QuantizedWeight:
+        w = self.ckpt.get_tensor(name + ".weight")          # float32 (exact from bf16) or the stored float
+        check_finite(name + ".weight", w)
+        return quantize_ref(np.asarray(w, dtype=np.float32), bits, self.group_size)
 
     def matrix(self, *names: str):
         """Stack the named [rows_i, cols] matrices along rows (one name: the matrix itself)."""
@@ -198,22 +253,40 @@ class _Loader:
         return self.xp.asarray(host) if self.gpu else host
 
 
-def load_weights(model_dir, config: LlamaConfig, backend: Backend) -> Weights:
+def quantization_bits(quantization: str | None, config: LlamaConfig) -> int | None:
+    """load_model's quantization argument -> bits (None: the checkpoint's own weights); ValueError names it."""
+    if quantization is None:
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {sorted(QUANTIZATIONS)} or None, got {quantization!r}")
+    if config.awq is not None:
+        raise ValueError(f"quantization={quantization!r}: the checkpoint is AWQ-quantized already "
+                         "(its own 4-bit weights are used)")
+    return QUANTIZATIONS[quantization]
+
+
+def load_weights(model_dir, config: LlamaConfig, backend: Backend, quantization: str | None = None,
+                 group_size: int = DEFAULT_GROUP_SIZE) -> Weights:
+    """The model's arrays; quantization "int8" | "int4" quantizes every projection on load (weight-only,
+    group-wise: `group_size` inputs per scale and zero point, -1 for whole rows)."""
+    bits = quantization_bits(quantization, config)
+    if bits is not None:     # every projection's K must take the group size: checked before reading
+        for K in {config.hidden_size, config.q_dim, config.intermediate_size}:
+            check_settings(bits, group_size, K)
     with open_checkpoint(model_dir) as ckpt:
         check_checkpoint(ckpt, config)
-        ld = _Loader(ckpt, backend)
+        ld = _Loader(ckpt, backend, config, bits, group_size)
         layers = []
         for i in range(config.num_hidden_layers):
             p = layer_prefix(i)
             attn = p + "self_attn."
             layers.append(LayerWeights(
                 input_norm=ld.vector(p + "input_layernorm.weight"),
-                qkv=ld.matrix(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                              p + "self_attn.v_proj.weight"),
-                o=ld.matrix(p + "self_attn.o_proj.weight"),
+                qkv=ld.projection(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+                o=ld.projection(p + "self_attn.o_proj"),
                 post_norm=ld.vector(p + "post_attention_layernorm.weight"),
-                gate_up=ld.matrix(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=ld.matrix(p + "mlp.down_proj.weight"),
+                gate_up=ld.projection(p + "mlp.gate_proj", p + "mlp.up_proj"),
+                down=ld.projection(p + "mlp.down_proj"),
                 qkv_bias=ld.vector(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
                 if config.qkv_bias else None,
                 q_norm=ld.vector(attn + "q_norm.weight") if config.qk_norm else None,

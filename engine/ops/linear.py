@@ -20,6 +20,8 @@ import numpy as np
 from engine.backend import is_device_array, matmul
 from engine.checks import env_switch
 from engine.ops import gemv as _gemv
+from engine.ops import quant_gemv as _quant_gemv
+from engine.ops.quantization import QuantizedWeight, dequantize_ref
 
 ENV_SWITCH = "ENGINE_GEMV"      # "0" sends every projection to cuBLAS
 GEMV_MAX_WEIGHT_ELEMENTS = 24 * 2**20   # larger weights stream faster through cuBLAS (measured above)
@@ -34,7 +36,9 @@ def linear_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def linear(x, w, out=None):
     """GPU: x bf16 [T, K] (uint16 bits), w bf16 [N, K] -> fp32 [T, N]. CPU: the reference.
     1 <= T <= GEMV_MAX_ROWS (decode) and W of at most GEMV_MAX_WEIGHT_ELEMENTS: the GEMV kernel while
-    USE_GEMV is on; else cuBLAS."""
+    USE_GEMV is on; else cuBLAS. A quantized W (chapter 18): quantized_linear."""
+    if isinstance(w, QuantizedWeight):
+        return quantized_linear(x, w, out)
     if not is_device_array(w):
         return linear_ref(x, w)
     if USE_GEMV and w.size <= GEMV_MAX_WEIGHT_ELEMENTS and _gemv.supported(x, w, out):
@@ -44,4 +48,25 @@ def linear(x, w, out=None):
         out = cp.empty((x.shape[0], w.shape[0]), dtype=cp.float32)
     if x.shape[0]:
         matmul(x, w, out, trans_b=True)
+    return out
+
+
+def quantized_linear(x, w: QuantizedWeight, out=None):
+    """x [T, K] @ dequantize(W)^T -> fp32 [T, N] (engine/ops/quantization.py).
+
+    CPU: the dequantized float32 matrix, made once and kept (the CPU backend computes in float32; the
+    packed form is what the GPU reads). GPU: decode rows (1..8) go to the dequantizing GEMV, which reads
+    each packed weight once and unpacks it in registers; more rows (prefill, large batches) dequantize W
+    into a bf16 scratch matrix and run cuBLAS on it."""
+    if not is_device_array(w.qweight):
+        if w.dense is None:
+            w.dense = dequantize_ref(w)
+        return linear_ref(x, w.dense)
+    if _quant_gemv.supported(x, w, out):
+        return _quant_gemv.quant_gemv(x, w, out)
+    import cupy as cp
+    if out is None:
+        out = cp.empty((x.shape[0], w.shape[0]), dtype=cp.float32)
+    if x.shape[0]:
+        matmul(x, _quant_gemv.dequantize_bf16(w), out, trans_b=True)
     return out

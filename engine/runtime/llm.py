@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.backend import resolve_backend
 from engine.formats.config import load_config
 from engine.model.forward_pass import Model, check_vocab_fits, load_model
+from engine.ops.quantization import DEFAULT_GROUP_SIZE
 from engine.runtime.draft_model import check_draft_model
 from engine.runtime.engine_config import EngineConfig
 from engine.runtime.engine_loop import EngineLoop
@@ -40,6 +41,7 @@ class LLM:
                  admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
                  cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
                  prefix_caching: bool | None = None, speculative: dict | None = None,
+                 quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
         """chunked_prefill: long prompts are prefilled in chunks of the step's token budget, mixed with
         the running requests' decodes (continuous batching; chapter 13). cuda_graphs: replay decode
@@ -56,6 +58,8 @@ class LLM:
         {"method": "draft", "model": DIR, "num_tokens": 4} has a smaller model of the same tokenizer
         guess them (engine/runtime/draft_model.py). Outputs follow exactly the model's distribution
         (greedy: exactly its tokens). Default: off.
+        quantization: "int8" | "int4" quantizes every projection on load (weight-only, `group_size`
+        inputs per scale and zero point; chapter 18); an AWQ checkpoint runs its own 4-bit weights.
         scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
         exercises) runs in place of the engine's, with the same constructor arguments."""
         model_dir = Path(model_dir)
@@ -75,7 +79,7 @@ class LLM:
             self.tokenizer = load_tokenizer(model_dir)
             check_vocab_fits(self.tokenizer, config)
         self.config, self.backend = config, b
-        self.model: Model = load_model(model_dir, b, settings.max_context)
+        self.model: Model = load_model(model_dir, b, settings.max_context, quantization, group_size)
         eos = set(config.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.runner = ModelRunner(self.model, settings, model_dir, self.tokenizer, eos)
         self.engine_config = self.runner.engine_config     # as the cache left it (contiguous: its slots)

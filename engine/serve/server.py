@@ -734,6 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative", default=None, metavar="SPEC",
                     help="speculative decoding: 'ngram', 'ngram:K' or 'draft:DIR' (a smaller model of the same "
                          "tokenizer; chapter 16); steps aside in large batches")
+    ap.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                    help="weight-only quantization on load: int8 or int4 (group-wise, 128 inputs per scale; "
+                         "chapter 18); an AWQ checkpoint runs its own 4-bit weights")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the most tokens one request may ask for (default: the context)")
     ap.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
@@ -784,7 +787,7 @@ def main(argv=None) -> int:
             model_dir = Path(args.model)
         from engine.runtime.speculative import SpeculativeConfig
         options = {"kv_cache_mib": args.kv_cache_mib, "max_seqs": args.max_seqs, "max_context": args.max_context,
-                   "speculative": SpeculativeConfig.from_cli(args.speculative)}
+                   "speculative": SpeculativeConfig.from_cli(args.speculative), "quantization": args.quantization}
         llm: LLM | RemoteLLM
         if args.in_process:
             llm = LLM(model_dir, args.backend, **options)

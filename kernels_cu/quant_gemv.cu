@@ -1,0 +1,268 @@
+// Chapter 18: weight-only quantized projections, int4 and int8 weights with group-wise scales.
+//     out[t, n] = sum_k x[t, k] * W[n, k],   W[n, k] = (q[n, k] - z[n, k / G]) * s[n, k / G]
+// for t < T <= QGEMV_MAX_ROWS (<= 8, the decode rows), n < N, k < K; x bf16 [T, K] (row stride
+// ldx), fp32 out [T, N] (row stride ldo), fp32 arithmetic throughout. The NumPy reference is
+// engine/ops/quantization.py: quant_linear_ref (this GEMV) and dequantize_ref (the second kernel).
+//
+// The layout (engine/ops/quantization.py), rows contiguous:
+//   qweight  uint32  [N, K * BITS / 32]   int4: word (n, j) holds q[n, 8j + i] in bits 4i..4i+3
+//                                         int8: word (n, j) holds q[n, 4j + i] in bits 8i..8i+7
+//   scales   float16 [N, K / G]           raw 16-bit halves (converted below, exactly)
+//   zeros    uint8   [N, K / G]           the zero point, in quantized units
+// G is a multiple of the values per word, so a word never straddles two groups.
+//
+// The design. A decode step is a pass over the weights: at T = 1 the floor is reading qweight,
+// K * BITS / 8 bytes per row (a quarter / half of bf16's), so everything aims at streaming it:
+//   * one warp per output row n, QGEMV_WARPS rows per block; the 32 lanes of a warp read the row's
+//     consecutive 16-byte chunks (uint4; 32 int4 or 16 int8 values each), a warp-wide load covering
+//     512 contiguous bytes; QGEMV_UNROLL chunks per lane are loaded before the first is used, so that
+//     enough bytes are in flight to cover the memory latency. Every byte of qweight is read once,
+//     streamed past L1 (ld.global.nc.L1::no_allocate) so that it does not evict x.
+//   * a chunk lies inside one group (the 16-byte path needs G % values-per-chunk == 0): its scale and
+//     zero point are loaded once (L1 resident: a row's are K / G * 3 bytes), and s is factored out of
+//     the chunk's sum: sum_k x (q - z) s = s * sum_k x (q - z), one multiply per chunk, not per value.
+//   * q - z without an integer-to-float conversion (cvt runs at a quarter of the FMA rate): the code
+//     q ORed into the mantissa of 2^23 is the float 2^23 + q, and (2^23 + q) - (2^23 + z) = q - z
+//     exactly, so a value costs a shift-and-mask, an add and one FMA per row of x.
+//   * x (T K 2 bytes, 128 KiB at K = 8192, T = 8) is read with 16-byte loads through the read-only
+//     path: after the first warps of an SM it hits in L1 (else L2).
+//   * the lanes' partial sums meet by warp shuffles; lane 0 writes the T outputs of its row.
+// At T = 8 the FMAs (8 per value, 16 per int4 byte) outrun the bandwidth on CUDA cores: that shape
+// is compute bound here (the bf16 GEMV of gemv.cu uses the tensor cores for the same reason).
+// Measured (H200, `python -m engine.kernel_bench --only quant_gemv`, T = 1, Llama-3.2-1B shapes): NOT
+// yet at bandwidth. int4 reads 0.54-0.93 TB/s (13-22 % of copy), int8 0.85-1.68 TB/s: about the time
+// of the bf16 GEMV on 4x (2x) the bytes. Likely causes: at K = 2048 int4 a row is 2 chunks per lane,
+// so the UNROLL main loop never runs and the tail loop has one load in flight per lane; and ~10
+// instructions per int4 byte (unpack, x conversion, add, FMA) are near the issue rate at 4 TB/s.
+//
+// Entry points, one templated body: quant_gemv_int4 / quant_gemv_int8 (16-byte loads: every
+// qweight row a multiple of 16 bytes and 16-byte aligned, G a multiple of the values per chunk, x
+// rows 16-byte aligned) and quant_gemv_int4_unaligned / _int8_unaligned (one word per lane per step,
+// x element by element: any K, G and alignment; the same sums in another order).
+// dequantize_bf16_int4 / _int8: W [N, K] as bf16 bits, rounded to nearest even (the prefill path,
+// T > QGEMV_MAX_ROWS: dequantize into a scratch matrix, then the cuBLAS GEMM); bit for bit
+// f32_to_bf16(dequantize_ref(qw)), since (q - z) * s is exact in fp32.
+//
+// Compile-time constants, set by engine/ops/quant_gemv.py (the defaults below are its values, so that
+// a plain `nvcc quant_gemv.cu` builds the kernel the engine runs; tests/test_quant_gemv.py checks that
+// they agree): QGEMV_MAX_ROWS (rows of x), QGEMV_WARPS (rows of W per block, one per warp) and
+// QGEMV_UNROLL (16-byte chunks in flight per lane). No tensor cores: any GPU CuPy runs on.
+#include "common.cuh"
+
+#ifndef QGEMV_MAX_ROWS
+#define QGEMV_MAX_ROWS 8
+#endif
+#ifndef QGEMV_WARPS
+#define QGEMV_WARPS 8
+#endif
+#ifndef QGEMV_UNROLL
+#define QGEMV_UNROLL 4
+#endif
+static_assert(QGEMV_MAX_ROWS >= 1 && QGEMV_MAX_ROWS <= 8, "QGEMV_MAX_ROWS: 1..8 decode rows");
+static_assert(QGEMV_WARPS >= 1 && QGEMV_WARPS <= 32, "QGEMV_WARPS: 1..32 warps per block");
+static_assert(QGEMV_UNROLL >= 1 && QGEMV_UNROLL <= 8, "QGEMV_UNROLL: 1..8 chunks per main-loop step");
+
+#define MAGIC_BITS 0x4B000000u    // the float 2^23: with a code q < 2^23 in its mantissa, 2^23 + q
+#define MAGIC 8388608.0f
+
+// float16 bits -> float32, exact, by integer arithmetic (the CPU executor has no __half; the same
+// code runs on both). A subnormal half is m * 2^-24, a normal fp32 value: no flush to zero under
+// --use_fast_math.
+__device__ __forceinline__ float half_bits_to_float(unsigned h) {
+    const unsigned sign = (h & 0x8000u) << 16, mag = h & 0x7fffu;
+    if (mag < 0x0400u)                                             // zero or subnormal
+        return __uint_as_float(sign | __float_as_uint((float)mag * 5.9604644775390625e-8f));
+    if (mag >= 0x7c00u)                                            // inf, nan: keep the payload
+        return __uint_as_float(sign | 0x7f800000u | ((mag & 0x3ffu) << 13));
+    return __uint_as_float(sign | ((mag << 13) + 0x38000000u));    // rebias the exponent: 15 -> 127
+}
+
+// bf16 pair in one 32-bit word -> its two floats (exact: bf16 is the top half of an fp32).
+__device__ __forceinline__ float bf_lo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+
+// 16 bytes of qweight, streamed: read once, not cached in L1 (it would push x out).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg(p);
+#endif
+}
+
+// part[t] += sum over the word's values i of x[t, k0 + i] * (q_i - z), zm = 2^23 + z.
+// VEC: x rows 16-byte aligned and k0 a multiple of the word's values (8 bf16 = 16 bytes for int4,
+// 4 bf16 = 8 bytes for int8): one vector load per row; else element loads.
+template <int BITS, bool VEC>
+__device__ __forceinline__ void word_dot(float* part, unsigned word, float zm,
+                                         const unsigned short* __restrict__ x, long long ldx, int k0, int T) {
+    constexpr int VPW = 32 / BITS;                        // values per word: 8 or 4
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    float d[VPW];                                         // q_i - z, exact
+#pragma unroll
+    for (int i = 0; i < VPW; ++i) d[i] = __uint_as_float(MAGIC_BITS | ((word >> (BITS * i)) & MASK)) - zm;
+#pragma unroll
+    for (int t = 0; t < QGEMV_MAX_ROWS; ++t) {
+        if (t >= T) break;                                // uniform over the warp
+        const unsigned short* xr = x + t * ldx + k0;      // [VPW] of row t
+        float xv[VPW];
+        if constexpr (VEC && VPW == 8) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xr));
+            xv[0] = bf_lo(v.x); xv[1] = bf_hi(v.x); xv[2] = bf_lo(v.y); xv[3] = bf_hi(v.y);
+            xv[4] = bf_lo(v.z); xv[5] = bf_hi(v.z); xv[6] = bf_lo(v.w); xv[7] = bf_hi(v.w);
+        } else if constexpr (VEC) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(xr));
+            xv[0] = bf_lo(v.x); xv[1] = bf_hi(v.x); xv[2] = bf_lo(v.y); xv[3] = bf_hi(v.y);
+        } else {
+#pragma unroll
+            for (int i = 0; i < VPW; ++i) xv[i] = __uint_as_float((unsigned)__ldg(xr + i) << 16);
+        }
+        float p = part[t];
+#pragma unroll
+        for (int i = 0; i < VPW; ++i) p = fmaf(xv[i], d[i], p);
+        part[t] = p;
+    }
+}
+
+// acc[t] += s * sum over the 16-byte chunk's values of x[t, k] (q - z): the chunk starts at k0 and
+// lies inside one group (G % values-per-chunk == 0).
+template <int BITS>
+__device__ __forceinline__ void chunk_dot(float* acc, uint4 w, int k0, int G,
+                                          const unsigned short* __restrict__ srow,   // [K / G] fp16
+                                          const unsigned char* __restrict__ zrow,    // [K / G]
+                                          const unsigned short* __restrict__ x, long long ldx, int T) {
+    constexpr int VPW = 32 / BITS;
+    const int g = k0 / G;
+    const float zm = MAGIC + (float)zrow[g];
+    float part[QGEMV_MAX_ROWS];
+#pragma unroll
+    for (int t = 0; t < QGEMV_MAX_ROWS; ++t) part[t] = 0.0f;
+    word_dot<BITS, true>(part, w.x, zm, x, ldx, k0, T);
+    word_dot<BITS, true>(part, w.y, zm, x, ldx, k0 + VPW, T);
+    word_dot<BITS, true>(part, w.z, zm, x, ldx, k0 + 2 * VPW, T);
+    word_dot<BITS, true>(part, w.w, zm, x, ldx, k0 + 3 * VPW, T);
+    const float s = half_bits_to_float(srow[g]);
+#pragma unroll
+    for (int t = 0; t < QGEMV_MAX_ROWS; ++t) acc[t] = fmaf(part[t], s, acc[t]);
+}
+
+template <int BITS, bool VEC>
+__device__ __forceinline__ void quant_gemv_row(const unsigned short* __restrict__ x, long long ldx,  // [T, ldx] bf16
+                                               const unsigned* __restrict__ qweight,                 // [N, K*BITS/32]
+                                               const unsigned short* __restrict__ scales,            // [N, K/G] fp16
+                                               const unsigned char* __restrict__ zeros,              // [N, K/G]
+                                               float* __restrict__ out, long long ldo,               // [T, ldo]
+                                               int T, int N, int K, int G) {
+    constexpr int VPW = 32 / BITS;                        // values per 32-bit word
+    const int lane = threadIdx.x & 31;
+    const int n = blockIdx.x * QGEMV_WARPS + (threadIdx.x >> 5);
+    if (n >= N) return;                                   // a whole warp: the shuffles below stay full
+    const int words = K / VPW, groups = K / G;
+    const unsigned* wrow = qweight + (long long)n * words;                // [words]
+    const unsigned short* srow = scales + (long long)n * groups;          // [groups]
+    const unsigned char* zrow = zeros + (long long)n * groups;            // [groups]
+
+    float acc[QGEMV_MAX_ROWS];
+#pragma unroll
+    for (int t = 0; t < QGEMV_MAX_ROWS; ++t) acc[t] = 0.0f;
+
+    if constexpr (VEC) {
+        constexpr int VPC = 4 * VPW;                      // values per 16-byte chunk: 32 or 16
+        const int chunks = K / VPC;
+        const uint4* crow = reinterpret_cast<const uint4*>(wrow);         // [chunks]
+        // Main loop: QGEMV_UNROLL chunks per lane per step, all loaded before the first is used
+        // (no bounds checks inside, so that the compiler issues them back to back); then the rest
+        // one chunk at a time.
+        int c = lane;
+        for (; c + 32 * (QGEMV_UNROLL - 1) < chunks; c += 32 * QGEMV_UNROLL) {
+            uint4 w[QGEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < QGEMV_UNROLL; ++u) w[u] = load_stream(crow + c + 32 * u);
+#pragma unroll
+            for (int u = 0; u < QGEMV_UNROLL; ++u) chunk_dot<BITS>(acc, w[u], (c + 32 * u) * VPC, G, srow, zrow, x, ldx, T);
+        }
+        for (; c < chunks; c += 32) chunk_dot<BITS>(acc, load_stream(crow + c), c * VPC, G, srow, zrow, x, ldx, T);
+    } else {
+        // Any layout: one word per lane per step (a word never straddles a group), x element by element.
+        for (int j = lane; j < words; j += 32) {
+            const int k0 = j * VPW, g = k0 / G;
+            float part[QGEMV_MAX_ROWS];
+#pragma unroll
+            for (int t = 0; t < QGEMV_MAX_ROWS; ++t) part[t] = 0.0f;
+            word_dot<BITS, false>(part, __ldg(wrow + j), MAGIC + (float)zrow[g], x, ldx, k0, T);
+            const float s = half_bits_to_float(srow[g]);
+#pragma unroll
+            for (int t = 0; t < QGEMV_MAX_ROWS; ++t) acc[t] = fmaf(part[t], s, acc[t]);
+        }
+    }
+
+#pragma unroll
+    for (int t = 0; t < QGEMV_MAX_ROWS; ++t) {
+        if (t >= T) break;
+        const float v = warp_sum(acc[t]);
+        if (lane == 0) out[t * ldo + n] = v;
+    }
+}
+
+#define QGEMV_ARGS const unsigned short* __restrict__ x, long long ldx,  /* [T, ldx] bf16 bits */        \
+                   const unsigned* __restrict__ qweight,                   /* [N, K * BITS / 32] */        \
+                   const unsigned short* __restrict__ scales,              /* [N, K / G] fp16 bits */      \
+                   const unsigned char* __restrict__ zeros,                /* [N, K / G] */                \
+                   float* __restrict__ out, long long ldo,                 /* [T, ldo] */                  \
+                   int T, int N, int K, int G
+#define QGEMV_PASS x, ldx, qweight, scales, zeros, out, ldo, T, N, K, G
+
+extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int4(QGEMV_ARGS) {
+    quant_gemv_row<4, true>(QGEMV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int8(QGEMV_ARGS) {
+    quant_gemv_row<8, true>(QGEMV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int4_unaligned(QGEMV_ARGS) {
+    quant_gemv_row<4, false>(QGEMV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int8_unaligned(QGEMV_ARGS) {
+    quant_gemv_row<8, false>(QGEMV_PASS);
+}
+
+// W [N, K] as bf16 bits: one thread per 32-bit word of qweight, writing its 8 (int4: one 16-byte
+// store) or 4 (int8: one 8-byte store) values; K is a multiple of the values per word, so a word's
+// outputs are contiguous and aligned like a row. Loads and stores are coalesced along the rows.
+template <int BITS>
+__device__ __forceinline__ void dequantize_word(const unsigned* __restrict__ qweight,     // [N, K * BITS / 32]
+                                                const unsigned short* __restrict__ scales, // [N, K / G] fp16
+                                                const unsigned char* __restrict__ zeros,   // [N, K / G]
+                                                unsigned short* __restrict__ out,          // [N, K] bf16 bits
+                                                int N, int K, int G) {
+    constexpr int VPW = 32 / BITS;
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    const int words = K / VPW;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)N * words) return;
+    const long long n = idx / words;
+    const int k0 = (int)(idx - n * words) * VPW;
+    const long long sg = n * (K / G) + k0 / G;
+    const unsigned word = __ldg(qweight + idx);
+    const float zm = MAGIC + (float)zeros[sg], s = half_bits_to_float(scales[sg]);
+    unsigned packed[VPW / 2];                             // bf16 pairs, the first value in the low half
+#pragma unroll
+    for (int i = 0; i < VPW; i += 2) {
+        const float lo = (__uint_as_float(MAGIC_BITS | ((word >> (BITS * i)) & MASK)) - zm) * s;
+        const float hi = (__uint_as_float(MAGIC_BITS | ((word >> (BITS * (i + 1))) & MASK)) - zm) * s;
+        packed[i / 2] = (unsigned)__bfloat16_as_ushort(f2bf(lo)) | ((unsigned)__bfloat16_as_ushort(f2bf(hi)) << 16);
+    }
+    unsigned short* dst = out + n * K + k0;               // [VPW]
+    if constexpr (VPW == 8)
+        *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    else
+        *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+}
+
+#define DEQ_ARGS const unsigned* __restrict__ qweight, const unsigned short* __restrict__ scales, \
+                 const unsigned char* __restrict__ zeros, unsigned short* __restrict__ out, int N, int K, int G
+
+extern "C" __global__ void dequantize_bf16_int4(DEQ_ARGS) { dequantize_word<4>(qweight, scales, zeros, out, N, K, G); }
+extern "C" __global__ void dequantize_bf16_int8(DEQ_ARGS) { dequantize_word<8>(qweight, scales, zeros, out, N, K, G); }
