@@ -44,7 +44,7 @@
 // f32_to_bf16(dequantize_ref(qw)), since (q - z) * s is exact in fp32.
 //
 // Compile-time constants, set by engine/ops/quant_gemv.py (the defaults below are its values, so that
-// a plain `nvcc quant_gemv.cu` builds the kernel the engine runs; tests/test_quant_gemv.py checks that
+// a plain `nvcc quant_gemv.cu` builds the kernel the engine runs; tests/test_kernels_compile.py checks that
 // they agree): QGEMV_MAX_ROWS (rows of x), QGEMV_WARPS (rows of W per block, one per warp) and
 // QGEMV_UNROLL (16-byte chunks in flight per lane). No tensor cores: any GPU CuPy runs on.
 #include "common.cuh"

@@ -22,7 +22,7 @@ from engine.backend import load_kernel
 from engine.ops.quantization import BITS, QuantizedWeight
 
 # The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a
-# plain nvcc build; tests/test_quant_gemv.py checks that the two agree).
+# plain nvcc build; tests/test_kernels_compile.py checks that the two agree).
 QGEMV_MAX_ROWS = 8    # rows of x per launch (the decode batch)
 QGEMV_WARPS = 8       # output rows per block: one warp each
 QGEMV_UNROLL = 4      # 16-byte chunks of a weight row in flight per lane
