@@ -48,12 +48,21 @@ def launch_geometry(N: int, K: int, sms: int) -> tuple[int, int]:
     return tiles, warps
 
 
-def _row_stride(a, name: str, itemsize: int) -> int:
-    """Row stride in elements of a 2-D view whose rows are contiguous."""
+def row_stride(a, name: str, itemsize: int, error: type[GemvInputError] = GemvInputError, what: str = "gemv") -> int:
+    """Row stride in elements of a 2-D view whose rows are contiguous (`error` names `what` otherwise)."""
     if a.ndim != 2 or a.strides[1] != itemsize or a.strides[0] < 0 or a.strides[0] % itemsize:
-        raise GemvInputError(f"gemv: {name} must be 2-D with contiguous rows, got shape {a.shape} "
-                             f"strides {a.strides}")
+        raise error(f"{what}: {name} must be 2-D with contiguous rows, got shape {a.shape} strides {a.strides}")
     return a.strides[0] // itemsize
+
+
+def float_output(out, T: int, N: int, error: type[GemvInputError] = GemvInputError, what: str = "gemv"):
+    """The fp32 [T, N] output of a GEMV: `out` checked, or a new array from CuPy's current allocator."""
+    import cupy as cp
+    if out is None:
+        return cp.empty((T, N), dtype=cp.float32)
+    if out.dtype != np.float32 or out.shape != (T, N):
+        raise error(f"{what}: out must be float32 {(T, N)}, got {out.dtype} {out.shape}")
+    return out
 
 
 def gemv(x, w, out=None):
@@ -75,14 +84,11 @@ def gemv(x, w, out=None):
         raise GemvInputError("gemv: needs an sm_80+ GPU (bf16 mma.sync); linear() uses cuBLAS below that")
     if not 1 <= T <= GEMV_MAX_ROWS:
         raise GemvInputError(f"gemv: takes 1 to {GEMV_MAX_ROWS} rows of x, got {T}")
-    if out is None:
-        out = cp.empty((T, N), dtype=cp.float32)
-    elif out.dtype != np.float32 or out.shape != (T, N):
-        raise GemvInputError(f"gemv: out must be float32 {(T, N)}, got {out.dtype} {out.shape}")
+    out = float_output(out, T, N)
     if N == 0 or K == 0:
         out.fill(0)                   # an empty sum (nothing at all when N == 0)
         return out
-    ldx, ldw, ldo = _row_stride(x, "x", 2), _row_stride(w, "w", 2), _row_stride(out, "out", 4)
+    ldx, ldw, ldo = row_stride(x, "x", 2), row_stride(w, "w", 2), row_stride(out, "out", 4)
     aligned = (K % 8 == 0 and ldx % 8 == 0 and ldw % 8 == 0
                and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0)
     blocks, warps = launch_geometry(N, K, sm_count(device))

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from engine.backend import load_kernel
+from engine.ops.gemv import GemvInputError, float_output, row_stride
 from engine.ops.quantization import BITS, QuantizedWeight
 
 # The kernel's launch constants, passed to it as -D defines (its .cu file repeats them as defaults for a
@@ -30,16 +31,8 @@ CHUNK_BYTES = 16      # the kernel's vector load
 DEQUANT_THREADS = 256
 
 
-class QuantGemvInputError(ValueError):
+class QuantGemvInputError(GemvInputError):
     """Operands that the quantized GEMV or dequantize kernels cannot take (dtype, shape, layout, rows)."""
-
-
-def _row_stride(a, name: str, itemsize: int) -> int:
-    """Row stride in elements of a 2-D view whose rows are contiguous."""
-    if a.ndim != 2 or a.strides[1] != itemsize or a.strides[0] < 0 or a.strides[0] % itemsize:
-        raise QuantGemvInputError(f"quant_gemv: {name} must be 2-D with contiguous rows, got shape {a.shape} "
-                                  f"strides {a.strides}")
-    return a.strides[0] // itemsize
 
 
 def _check_weight(qw: QuantizedWeight, what: str) -> tuple[int, int, int]:
@@ -69,7 +62,6 @@ def quant_gemv(x, qw: QuantizedWeight, out=None):
     the word-at-a-time one otherwise (the same sums in another order). `out`, if given, is
     overwritten. Graph-capturable: no host sync, the output comes from CuPy's current allocator.
     """
-    import cupy as cp
     N, K, G = _check_weight(qw, "quant_gemv")
     if x.dtype != np.uint16 or x.ndim != 2 or x.shape[1] != K:
         raise QuantGemvInputError(f"quant_gemv: x must be bf16 bits (uint16) [T, {K}], got {x.dtype} {x.shape}")
@@ -77,14 +69,12 @@ def quant_gemv(x, qw: QuantizedWeight, out=None):
     if not 1 <= T <= QGEMV_MAX_ROWS:
         raise QuantGemvInputError(f"quant_gemv: takes 1 to {QGEMV_MAX_ROWS} rows of x, got {T} "
                                   "(more rows: dequantize_bf16, then a GEMM)")
-    if out is None:
-        out = cp.empty((T, N), dtype=cp.float32)
-    elif out.dtype != np.float32 or out.shape != (T, N):
-        raise QuantGemvInputError(f"quant_gemv: out must be float32 {(T, N)}, got {out.dtype} {out.shape}")
+    out = float_output(out, T, N, QuantGemvInputError, "quant_gemv")
     if N == 0 or K == 0:
         out.fill(0)                   # an empty sum (nothing at all when N == 0)
         return out
-    ldx, ldo = _row_stride(x, "x", 2), _row_stride(out, "out", 4)
+    ldx, ldo = (row_stride(a, name, size, QuantGemvInputError, "quant_gemv") for a, name, size in
+                ((x, "x", 2), (out, "out", 4)))
     qweight: Any = qw.qweight                          # a CuPy array (the dataclass types it as any array)
     per_chunk = CHUNK_BYTES * 8 // qw.bits            # values per 16-byte chunk: 32 (int4) or 16 (int8)
     vec = (K % per_chunk == 0 and G % per_chunk == 0 and qweight.data.ptr % CHUNK_BYTES == 0
