@@ -189,6 +189,14 @@ def test_quantized_serving_paths_agree(family_dir):
         [alone.generate([p], [q])[0].token_ids for p, q in zip(prompts, params, strict=True)]
 
 
+def test_the_default_group_is_128_or_the_largest_below_that_the_sizes_take():
+    from engine.formats.config import config_from_dict
+    from engine.model.weights import default_group_size
+    for preset, bits, want in (("llama-3.2-1b", 4, 128), ("smollm2-135m", 4, 96), ("smollm2-135m", 8, 96),
+                               ("tiny", 4, 8), ("tiny-mqa", 8, 8), ("tiny-qwen2", 4, -1)):
+        assert default_group_size(config_from_dict(PRESETS[preset]), bits) == want, preset
+
+
 def test_unsupported_quantization_is_refused_by_name(tmp_path):
     src = write_random_model(tmp_path / "m", "tiny", seed=1)
     for bad, key in (({"quant_method": "gptq", "bits": 4}, "quant_method"),

@@ -53,7 +53,8 @@ def scenario_quantized(args, setup, model_dir, backend, ceiling_gbps: float) -> 
         prefill_ms = (time.perf_counter() - t) / reps * 1e3
         read = weight_bytes(model)
         rec = {**setup, "scenario": "quantized", "quantization": quantization or "none",
-               "group_size": args.group_size if quantization else None, "decode_tok_per_s": round(tok_s, 1),
+               "group_size": model.weights.layers[0].down.group_size if quantization else None,
+               "decode_tok_per_s": round(tok_s, 1),
                "weight_bytes": read, "weight_gb": round(read / 1e9, 3), "step_gb": round(step_bytes / 1e9, 3),
                "floor_tok_per_s": round(ceiling_gbps * 1e9 / step_bytes, 1),
                "of_floor": round(tok_s * step_bytes / (ceiling_gbps * 1e9), 3),

@@ -515,7 +515,9 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-k", type=int, nargs="+", default=[2, 4, 8], help="spec-decode: guesses per verify row")
     ap.add_argument("--quantization", nargs="+", default=["int8", "int4"], choices=["int8", "int4"],
                     help="quantized: the quantizations compared with the checkpoint's weights")
-    ap.add_argument("--group-size", type=int, default=128, help="quantized: inputs per scale and zero point")
+    ap.add_argument("--group-size", type=int, default=None,
+                    help="quantized: inputs per scale and zero point (default: 128, or the largest group below it "
+                         "that the model's sizes take)")
     ap.add_argument("--prefill-len", type=int, default=2048, help="quantized: the prompt of the timed prefill")
     ap.add_argument("--spec-draft", metavar="DIR", help="spec-decode: also a draft model's guesses (same tokenizer)")
     ap.add_argument("--room-clients", type=int, default=8, help="fair-flood: API keys the room's requests use")

@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "model checks guesses looked up in the conversation; 'draft:DIR': a smaller "
                          "model of the same tokenizer guesses (chapter 16)")
     ap.add_argument("--quantization", default=None, choices=("int8", "int4"),
-                    help="weight-only quantization on load: int8 or int4 (group-wise, 128 inputs per scale; "
-                         "chapter 18); an AWQ checkpoint runs its own 4-bit weights")
+                    help="weight-only quantization on load: int8 or int4 (group-wise, 128 inputs per scale or the "
+                         "largest group below that the model takes; chapter 18); an AWQ checkpoint runs its own "
+                         "4-bit weights")
     ap.add_argument("--prompt", default=None, help="answer this one prompt and exit")
     ap.add_argument("--system", default=None, help="system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=512)

@@ -28,7 +28,6 @@ from engine.ops.flash_attention import flash_attention, kernel_supports
 from engine.ops.kv_write import kv_write
 from engine.ops.linear import linear
 from engine.ops.paged_attention import check_gpu_shape, paged_attention
-from engine.ops.quantization import DEFAULT_GROUP_SIZE
 from engine.ops.rmsnorm import add_rmsnorm, rmsnorm
 from engine.ops.rope import rope_qkv, rope_tables
 from engine.ops.swiglu import swiglu
@@ -253,11 +252,12 @@ class Model:
 
 
 def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None,
-               quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE) -> Model:
+               quantization: str | None = None, group_size: int | None = None) -> Model:
     """Load a Llama, Qwen2 or Qwen3 model directory (config.json + safetensors) on the chosen backend.
 
     quantization "int8" | "int4": every projection quantized on load (weight-only, `group_size` inputs
-    per scale and zero point; chapter 18). An AWQ checkpoint (config.json's quantization_config) runs
+    per scale and zero point: by default 128, or the largest group below it that the model's sizes
+    take; chapter 18). An AWQ checkpoint (config.json's quantization_config) runs
     its own 4-bit weights without being asked."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)

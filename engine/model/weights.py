@@ -265,17 +265,30 @@ def quantization_bits(quantization: str | None, config: LlamaConfig) -> int | No
     return QUANTIZATIONS[quantization]
 
 
+def default_group_size(config: LlamaConfig, bits: int) -> int:
+    """DEFAULT_GROUP_SIZE where it divides the inputs of every projection, else the largest group below
+    it that does (a multiple of the values per 32-bit word: SmolLM2-135M's 576 and 1536 take 96), else
+    whole rows (-1)."""
+    inputs = {config.hidden_size, config.q_dim, config.intermediate_size}
+    per_word = 32 // bits
+    for G in range(DEFAULT_GROUP_SIZE, 0, -per_word):
+        if all(K % G == 0 for K in inputs):
+            return G
+    return -1
+
+
 def load_weights(model_dir, config: LlamaConfig, backend: Backend, quantization: str | None = None,
-                 group_size: int = DEFAULT_GROUP_SIZE) -> Weights:
+                 group_size: int | None = None) -> Weights:
     """The model's arrays; quantization "int8" | "int4" quantizes every projection on load (weight-only,
-    group-wise: `group_size` inputs per scale and zero point, -1 for whole rows)."""
+    group-wise: `group_size` inputs per scale and zero point, -1 for whole rows; None: default_group_size)."""
     bits = quantization_bits(quantization, config)
     if bits is not None:     # every projection's K must take the group size: checked before reading
+        group_size = default_group_size(config, bits) if group_size is None else group_size
         for K in {config.hidden_size, config.q_dim, config.intermediate_size}:
             check_settings(bits, group_size, K)
     with open_checkpoint(model_dir) as ckpt:
         check_checkpoint(ckpt, config)
-        ld = _Loader(ckpt, backend, config, bits, group_size)
+        ld = _Loader(ckpt, backend, config, bits, DEFAULT_GROUP_SIZE if group_size is None else group_size)
         layers = []
         for i in range(config.num_hidden_layers):
             p = layer_prefix(i)

@@ -21,7 +21,6 @@ from pathlib import Path
 from engine.backend import resolve_backend
 from engine.formats.config import load_config
 from engine.model.forward_pass import Model, check_vocab_fits, load_model
-from engine.ops.quantization import DEFAULT_GROUP_SIZE
 from engine.runtime.draft_model import check_draft_model
 from engine.runtime.engine_config import EngineConfig
 from engine.runtime.engine_loop import EngineLoop
@@ -41,7 +40,7 @@ class LLM:
                  admission: str = "conservative", page_size: int = 16, chunked_prefill: bool = True,
                  cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
                  prefix_caching: bool | None = None, speculative: dict | None = None,
-                 quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE,
+                 quantization: str | None = None, group_size: int | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, allocator_cls: type[PageAllocator] = PageAllocator):
         """chunked_prefill: long prompts are prefilled in chunks of the step's token budget, mixed with
         the running requests' decodes (continuous batching; chapter 13). cuda_graphs: replay decode
@@ -59,7 +58,8 @@ class LLM:
         guess them (engine/runtime/draft_model.py). Outputs follow exactly the model's distribution
         (greedy: exactly its tokens). Default: off.
         quantization: "int8" | "int4" quantizes every projection on load (weight-only, `group_size`
-        inputs per scale and zero point; chapter 18); an AWQ checkpoint runs its own 4-bit weights.
+        inputs per scale and zero point, by default 128 or the largest group below it that the model's
+        sizes take; chapter 18); an AWQ checkpoint runs its own 4-bit weights.
         scheduler_cls / allocator_cls: your own Scheduler or PageAllocator subclass (chapters 10-11's
         exercises) runs in place of the engine's, with the same constructor arguments."""
         model_dir = Path(model_dir)

@@ -735,8 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative decoding: 'ngram', 'ngram:K' or 'draft:DIR' (a smaller model of the same "
                          "tokenizer; chapter 16); steps aside in large batches")
     ap.add_argument("--quantization", default=None, choices=("int8", "int4"),
-                    help="weight-only quantization on load: int8 or int4 (group-wise, 128 inputs per scale; "
-                         "chapter 18); an AWQ checkpoint runs its own 4-bit weights")
+                    help="weight-only quantization on load: int8 or int4 (group-wise, 128 inputs per scale or the "
+                         "largest group below that the model takes; chapter 18); an AWQ checkpoint runs its own "
+                         "4-bit weights")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="the most tokens one request may ask for (default: the context)")
     ap.add_argument("--max-body-mib", type=float, default=MAX_BODY_BYTES / 2**20,
