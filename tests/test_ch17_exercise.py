@@ -60,14 +60,6 @@ def decodes_the_token(table, accepting, state, token_bytes, eos_ids):
     return mask
 
 
-def _whole_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
-
-
 def test_the_reference_and_a_vectorized_mask_pass(capsys):
     accepts(ch17.check_token_mask, ch17.token_mask_reference, capsys)
     accepts(ch17.check_token_mask, columns_mask, capsys)
@@ -112,7 +104,7 @@ def test_the_mistakes_differ_from_the_engine_only_where_they_say():
     assert all(ids.size for ids in wrong.values()), wrong
     assert set(wrong["empty_tokens_mask"]) == set(range(17)) - {2}
     assert set(wrong["eos_anywhere_mask"]) == {2}
-    assert all(not _whole_utf8(vocab.token_bytes[i]) for i in wrong["whole_characters_mask"])
+    assert all(not ch17.valid_utf8(vocab.token_bytes[i]) for i in wrong["whole_characters_mask"])
 
 
 def test_the_verdict_is_deterministic_and_fast(capsys):

@@ -221,7 +221,7 @@ def empty_tokens_mask(table, accepting, state, token_bytes, eos_ids) -> np.ndarr
 def whole_characters_mask(table, accepting, state, token_bytes, eos_ids) -> np.ndarray:
     """Tokens that are not valid UTF-8 on their own refused, as if every token held whole characters."""
     mask = token_mask_reference(table, accepting, state, token_bytes, eos_ids)
-    mask &= np.array([not data or _valid_utf8(data) for data in token_bytes], dtype=bool)
+    mask &= np.array([not data or valid_utf8(data) for data in token_bytes], dtype=bool)
     return mask
 
 
@@ -251,7 +251,8 @@ MISTAKES: dict[str, str] = {
 }
 
 
-def _valid_utf8(data: bytes) -> bool:
+def valid_utf8(data: bytes) -> bool:
+    """Whether a token's bytes are whole UTF-8 characters on their own."""
     try:
         data.decode("utf-8")
         return True
@@ -343,7 +344,7 @@ def _diagnose(got, want, table, accepting, state, token_bytes, eos_ids) -> str |
     eos = np.zeros(V, bool)
     eos[list(eos_ids)] = True
     empty = np.array([not b for b in token_bytes]) & ~eos
-    partial = np.array([bool(b) and not _valid_utf8(b) for b in token_bytes])
+    partial = np.array([bool(b) and not valid_utf8(b) for b in token_bytes])
     first_live = np.array([bool(b) and table[state, b[0]] != 0 for b in token_bytes])
     ends = np.array([_walk(table, state, b) if b else 0 for b in token_bytes])
     extra, missing = got & ~want, want & ~got
