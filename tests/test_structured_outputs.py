@@ -104,6 +104,19 @@ def test_the_runners_matchers_follow_reused_ids_and_retried_steps(llm):
     np.testing.assert_array_equal(mask(digits, [a]), fresh(digits, [a]))
     np.testing.assert_array_equal(mask(digits, [b]), fresh(digits, [b]))       # the step again, another token
     assert not np.array_equal(fresh(digits, []), fresh(letters, []))
+    # a table key whose constraint id now belongs to another constraint (the old one was freed) gets a
+    # row of its own, and the next new state does not land on a row in use
+    compiled = s.compile(digits)
+    key = (id(compiled), compiled.dfa.start, False)
+    s._slots[key] = (s._slots[key][0], object())
+    in_use = {held[0] for held in s._slots.values()}
+    renewed = s.slots([(778, digits, [])])[0]
+    assert renewed not in in_use
+    letter = int(np.flatnonzero(fresh(letters, []))[0])
+    unseen = s.slots([(779, letters, [letter])])[0]                # a state no row holds yet
+    assert unseen not in in_use | {renewed}
+    np.testing.assert_array_equal(np.asarray(s.table[renewed]), fresh(digits, []))
+    np.testing.assert_array_equal(np.asarray(s.table[unseen]), fresh(letters, [letter]))
 
 
 def test_choices_and_json_schema_validate_whatever_the_weights(llm):

@@ -42,6 +42,7 @@ class StructuredOutputs:
         self.capacity = max(MIN_SLOTS, DEVICE_MASK_BYTES // max(1, vocab_size))
         self.table: Any = None                                  # bool [capacity, V], made on first use
         self._slots: dict[tuple, tuple[int, Any]] = {}
+        self._rows_used = 0                   # rows of `table` written since it was last given up
         self.mask_seconds = 0.0
         self.masks_built = self.masks_reused = 0
 
@@ -63,8 +64,9 @@ class StructuredOutputs:
         t0 = time.perf_counter()
         out = []
         matchers, slots = self._matchers, self._slots
-        if len(slots) + len(requests) > self.capacity:    # the table is full: every row is given up,
-            slots.clear()                                 # and the masks in use come back one by one
+        if self._rows_used + len(requests) > self.capacity:   # the table is full: every row is given up,
+            slots.clear()                                     # and the masks in use come back one by one
+            self._rows_used = 0
         built = self.masks_built
         for request_id, structured, output in requests:
             entry = matchers.get(request_id)
@@ -93,9 +95,10 @@ class StructuredOutputs:
         return out
 
     def _upload(self, matcher) -> int:
-        """The next free row of `table`, with the matcher's mask written in it."""
+        """The next free row of `table`, with the matcher's mask written in it (a row is never reused
+        before the table is given up: a key whose constraint id was reused gets a new row too)."""
         if self.table is None:
             self.table = self.xp.zeros((self.capacity, self.vocab_size), dtype=bool)
-        slot = len(self._slots)
+        slot, self._rows_used = self._rows_used, self._rows_used + 1
         self.table[slot] = self.xp.asarray(matcher.allowed_mask())
         return slot
