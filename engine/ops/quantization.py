@@ -135,21 +135,20 @@ def awq_unpack_ref(packed: np.ndarray) -> np.ndarray:
 
 
 def awq_pack(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes [R, C] -> AWQ int32 [R, C / 8] (awq_unpack_ref's inverse; writes test checkpoints)."""
+    """uint8 codes [R, C] -> AWQ int32 [R, C / 8] (awq_unpack_ref's inverse; writes test checkpoints):
+    the engine's packing of each word's 8 columns taken in AWQ_ORDER."""
     R, C = codes.shape
-    parts = codes.reshape(R, C // 8, 8).astype(np.uint32)[:, :, list(AWQ_ORDER)]
-    shifts = (np.arange(8, dtype=np.uint32) * 4)[None, None, :]
-    return np.bitwise_or.reduce(parts << shifts, axis=2).view(np.int32)
+    reordered = codes.reshape(R, C // 8, 8)[:, :, list(AWQ_ORDER)].reshape(R, C)
+    return pack_ref(reordered, 4).view(np.int32)
 
 
 def _awq_codes(packed: np.ndarray) -> np.ndarray:
-    """The vectorized awq_unpack_ref."""
-    words = packed.astype(np.uint32)
-    shifts = (np.arange(8, dtype=np.uint32) * 4)[None, None, :]
-    nibbles = (words[:, :, None] >> shifts) & np.uint32(0xF)          # [R, W, 8] in word order
-    codes = np.empty_like(nibbles)
-    codes[:, :, list(AWQ_ORDER)] = nibbles
-    return codes.reshape(words.shape[0], -1).astype(np.uint8)
+    """The vectorized awq_unpack_ref: the engine's unpacking, then each word's nibbles put back in column order."""
+    nibbles = unpack_ref(packed.astype(np.uint32), 4)                  # [R, C], word order
+    R, C = nibbles.shape
+    codes = np.empty_like(nibbles).reshape(R, C // 8, 8)
+    codes[:, :, list(AWQ_ORDER)] = nibbles.reshape(R, C // 8, 8)
+    return codes.reshape(R, C)
 
 
 def from_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group_size: int) -> QuantizedWeight:
