@@ -203,7 +203,9 @@ def test_unsupported_quantization_is_refused_by_name(tmp_path):
                      ({"quant_method": "awq", "bits": 8, "version": "gemm", "zero_point": True}, "bits"),
                      ({"quant_method": "awq", "bits": 4, "version": "gemv", "zero_point": True}, "version"),
                      ({"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": False}, "zero_point"),
-                     ({"quant_method": "awq", "bits": 4, "version": "gemm", "group_size": 0}, "group_size")):
+                     ({"quant_method": "awq", "bits": 4, "version": "gemm", "group_size": 0}, "group_size"),
+                     ({"quant_method": "awq", "bits": 4, "version": "gemm", "group_size": 48},   # 72 inputs
+                      "group_size=48 cannot describe the 72 inputs")):
         config = {**json.loads((src / "config.json").read_text()), "quantization_config": bad}
         (src / "config.json").write_text(json.dumps(config))
         with pytest.raises(ConfigError, match=key):

@@ -23,7 +23,7 @@ import numpy as np
 from engine.backend import Backend
 from engine.formats.config import ConfigError, LlamaConfig, ModelShape, model_shape
 from engine.formats.safetensors import Checkpoint, open_checkpoint
-from engine.ops.quantization import DEFAULT_GROUP_SIZE, QuantizedWeight, check_settings, from_awq, quantize_ref
+from engine.ops.quantization import DEFAULT_GROUP_SIZE, QuantizationError, QuantizedWeight, check_settings, from_awq, quantize_ref
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 QUANTIZATIONS = {"int8": 8, "int4": 4}      # load_model(..., quantization=...): weight-only, group-wise
@@ -163,11 +163,16 @@ def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
 def _awq_group(config: LlamaConfig, name: str, K: int) -> int:
     """The AWQ group size for a projection of K inputs (ConfigError if it cannot describe the weight)."""
     assert config.awq is not None
-    G = K if config.awq.group_size == -1 else config.awq.group_size
-    if K % G or K % 8:
-        raise ConfigError(f"config.json: quantization_config.group_size={config.awq.group_size} does not divide "
-                          f"the {K} inputs of {name}")
-    return G
+    try:
+        return check_settings(config.awq.bits, config.awq.group_size, K)
+    except QuantizationError as exc:
+        raise ConfigError(f"config.json: quantization_config.group_size={config.awq.group_size} cannot describe "
+                          f"the {K} inputs of {name}: {exc}") from None
+
+
+def projection_inputs(config: LlamaConfig) -> set[int]:
+    """The K (inputs) of the model's projections: qkv and gate_up take the hidden size, o the q heads, down I."""
+    return {config.hidden_size, config.q_dim, config.intermediate_size}
 
 
 class NonFiniteWeightsError(ConfigError):
@@ -269,10 +274,9 @@ def default_group_size(config: LlamaConfig, bits: int) -> int:
     """DEFAULT_GROUP_SIZE where it divides the inputs of every projection, else the largest group below
     it that does (a multiple of the values per 32-bit word: SmolLM2-135M's 576 and 1536 take 96), else
     whole rows (-1)."""
-    inputs = {config.hidden_size, config.q_dim, config.intermediate_size}
     per_word = 32 // bits
     for G in range(DEFAULT_GROUP_SIZE, 0, -per_word):
-        if all(K % G == 0 for K in inputs):
+        if all(K % G == 0 for K in projection_inputs(config)):
             return G
     return -1
 
@@ -284,7 +288,7 @@ def load_weights(model_dir, config: LlamaConfig, backend: Backend, quantization:
     bits = quantization_bits(quantization, config)
     if bits is not None:     # every projection's K must take the group size: checked before reading
         group_size = default_group_size(config, bits) if group_size is None else group_size
-        for K in {config.hidden_size, config.q_dim, config.intermediate_size}:
+        for K in projection_inputs(config):
             check_settings(bits, group_size, K)
     with open_checkpoint(model_dir) as ckpt:
         check_checkpoint(ckpt, config)
