@@ -9,8 +9,6 @@ weights show speed only; quality (perplexity, greedy agreement) needs real weigh
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from engine.bench.workload import emit, random_prompt
@@ -26,32 +24,21 @@ def weight_bytes(model) -> int:
 
 
 def scenario_quantized(args, setup, model_dir, backend, ceiling_gbps: float) -> None:
+    from engine.bench.run import forward_seconds, llm_decode_tok_per_s
     from engine.model.forward_pass import ForwardBatch
     from engine.runtime.llm import LLM
-    from engine.runtime.sampling_params import SamplingParams
     base = None
     for quantization in [None, *args.quantization]:
         llm = LLM(model_dir, backend, max_seqs=1, max_context=max(args.prefill_len, args.prompt_len + args.new_tokens) + 8,
                   quantization=quantization, group_size=args.group_size)
         cfg, model = llm.config, llm.model
         rng = np.random.default_rng(3)
-        ids = random_prompt(rng, args.prompt_len, cfg.vocab_size)
-        llm.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))                   # warm-up
-        llm.generate([ids], SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
-        decode = [e for e in llm.last_step_log if e["kind"] == "decode"]
-        tok_s = len(decode) / sum(e["seconds"] for e in decode)
-        step_bytes = weight_bytes(model) + (args.prompt_len + args.new_tokens / 2) * cfg.kv_bytes_per_token(2)
+        tok_s = llm_decode_tok_per_s(llm, random_prompt(rng, args.prompt_len, cfg.vocab_size), args.new_tokens)
+        read = weight_bytes(model)
+        step_bytes = read + (args.prompt_len + args.new_tokens / 2) * cfg.kv_bytes_per_token(2)
         prompt = ForwardBatch.single(random_prompt(rng, args.prefill_len, cfg.vocab_size),
                                      logits_rows=[args.prefill_len - 1])
-        model.forward(prompt)
-        backend.synchronize()
-        reps = 3 if backend.is_gpu else 1
-        t = time.perf_counter()
-        for _ in range(reps):
-            model.forward(prompt)
-        backend.synchronize()
-        prefill_ms = (time.perf_counter() - t) / reps * 1e3
-        read = weight_bytes(model)
+        prefill_ms = forward_seconds(model, prompt) * 1e3
         rec = {**setup, "scenario": "quantized", "quantization": quantization or "none",
                "group_size": model.weights.layers[0].down.group_size if quantization else None,
                "decode_tok_per_s": round(tok_s, 1),

@@ -156,15 +156,7 @@ def scenario_prefill(args, setup, model, hf):
     ids = random_prompt(rng, args.prompt_len, model.config.vocab_size)
     for last_only in (True, False):
         batch = ForwardBatch.single(ids, logits_rows=[len(ids) - 1] if last_only else None)
-        for _ in range(2):
-            model.forward(batch)
-        model.backend.synchronize()
-        reps = 5 if model.backend.is_gpu else 1
-        t = time.perf_counter()
-        for _ in range(reps):
-            model.forward(batch)
-        model.backend.synchronize()
-        sec = (time.perf_counter() - t) / reps
+        sec = forward_seconds(model, batch)
         rec = {**setup, "scenario": "prefill", "prompt_len": len(ids), "logits": "last" if last_only else "all",
                "ms": round(sec * 1e3, 2), "tok_per_s": round(len(ids) / sec, 1)}
         if hf is not None:
@@ -173,17 +165,35 @@ def scenario_prefill(args, setup, model, hf):
         emit(rec)
 
 
-def engine_decode_tok_per_s(model_dir, backend, ids, new_tokens: int, max_context: int) -> tuple[float, bool]:
+def forward_seconds(model, batch) -> float:
+    """Seconds of one forward pass of `batch` (after two warm-up passes; the mean of 5 on a GPU)."""
+    for _ in range(2):
+        model.forward(batch)
+    model.backend.synchronize()
+    reps = 5 if model.backend.is_gpu else 1
+    t = time.perf_counter()
+    for _ in range(reps):
+        model.forward(batch)
+    model.backend.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def llm_decode_tok_per_s(llm, ids, new_tokens: int) -> float:
     """Batch-1 decode through the engine itself (LLM: the engine loop, decode graphs, and on a GPU
     async scheduling, which launches step t+1 before step t's token reaches the host), from its
-    step log: decode steps over their seconds. (tok/s, whether async scheduling ran.)"""
-    from engine.runtime.llm import LLM
+    step log: decode steps over their seconds."""
     from engine.runtime.sampling_params import SamplingParams
-    llm = LLM(model_dir, backend, max_context=max_context, max_seqs=1)
     llm.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))           # warm-up
     llm.generate([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     decode = [entry for entry in llm.last_step_log if entry["kind"] == "decode"]
-    tok_per_s, overlapped = len(decode) / sum(entry["seconds"] for entry in decode), llm.async_scheduling
+    return len(decode) / sum(entry["seconds"] for entry in decode)
+
+
+def engine_decode_tok_per_s(model_dir, backend, ids, new_tokens: int, max_context: int) -> tuple[float, bool]:
+    """llm_decode_tok_per_s of a one-seat LLM of the model: (tok/s, whether async scheduling ran)."""
+    from engine.runtime.llm import LLM
+    llm = LLM(model_dir, backend, max_context=max_context, max_seqs=1)
+    tok_per_s, overlapped = llm_decode_tok_per_s(llm, ids, new_tokens), llm.async_scheduling
     llm.close()
     return tok_per_s, overlapped
 
