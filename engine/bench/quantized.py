@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.bench.workload import emit, random_prompt
+from engine.bench.workload import emit, forward_seconds, llm_decode_tok_per_s, random_prompt
 
 
 def weight_bytes(model) -> int:
@@ -24,7 +24,6 @@ def weight_bytes(model) -> int:
 
 
 def scenario_quantized(args, setup, model_dir, backend, ceiling_gbps: float) -> None:
-    from engine.bench.run import forward_seconds, llm_decode_tok_per_s
     from engine.model.forward_pass import ForwardBatch
     from engine.runtime.llm import LLM
     base = None

@@ -59,7 +59,7 @@ import numpy as np
 
 from engine.backend import BACKENDS, copy_bandwidth, gemm_tflops, resolve_backend
 from engine.bench import prefix
-from engine.bench.workload import emit, random_prompt, serve_workload, warm_up_requests
+from engine.bench.workload import emit, forward_seconds, llm_decode_tok_per_s, random_prompt, serve_workload, warm_up_requests
 from engine.formats.config import load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
@@ -163,30 +163,6 @@ def scenario_prefill(args, setup, model, hf):
             hs = hf.prefill_seconds(ids, last_only)
             rec.update(hf_ms=round(hs * 1e3, 2), ratio_vs_hf=round(sec / hs, 3))
         emit(rec)
-
-
-def forward_seconds(model, batch) -> float:
-    """Seconds of one forward pass of `batch` (after two warm-up passes; the mean of 5 on a GPU)."""
-    for _ in range(2):
-        model.forward(batch)
-    model.backend.synchronize()
-    reps = 5 if model.backend.is_gpu else 1
-    t = time.perf_counter()
-    for _ in range(reps):
-        model.forward(batch)
-    model.backend.synchronize()
-    return (time.perf_counter() - t) / reps
-
-
-def llm_decode_tok_per_s(llm, ids, new_tokens: int) -> float:
-    """Batch-1 decode through the engine itself (LLM: the engine loop, decode graphs, and on a GPU
-    async scheduling, which launches step t+1 before step t's token reaches the host), from its
-    step log: decode steps over their seconds."""
-    from engine.runtime.sampling_params import SamplingParams
-    llm.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))           # warm-up
-    llm.generate([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    decode = [entry for entry in llm.last_step_log if entry["kind"] == "decode"]
-    return len(decode) / sum(entry["seconds"] for entry in decode)
 
 
 def engine_decode_tok_per_s(model_dir, backend, ids, new_tokens: int, max_context: int) -> tuple[float, bool]:

@@ -1,8 +1,10 @@
-"""What the benchmarks share: one JSON line per measurement, the seeded serving workload and the
-warm-up that runs before any timed run (engine/bench/run.py, engine/bench/http.py)."""
+"""What the benchmarks share: one JSON line per measurement, the seeded serving workload, the
+warm-up that runs before any timed run, and the timing of one forward pass and of batch-1 decode
+(engine/bench/run.py, engine/bench/http.py, engine/bench/quantized.py)."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
@@ -41,3 +43,27 @@ def warm_up_requests(prompts, max_seqs: int, max_context: int, max_batch_tokens:
     long = [(prompts[i % len(prompts)] * (1 + long_len // len(prompts[i % len(prompts)])))[:long_len]
             for i in range(n_long)]
     return long + [prompts[i % len(prompts)][:16] for i in range(len(lengths) - n_long)], lengths
+
+
+def forward_seconds(model, batch) -> float:
+    """Seconds of one forward pass of `batch` (after two warm-up passes; the mean of 5 on a GPU)."""
+    for _ in range(2):
+        model.forward(batch)
+    model.backend.synchronize()
+    reps = 5 if model.backend.is_gpu else 1
+    t = time.perf_counter()
+    for _ in range(reps):
+        model.forward(batch)
+    model.backend.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def llm_decode_tok_per_s(llm, ids, new_tokens: int) -> float:
+    """Batch-1 decode through the engine itself (LLM: the engine loop, decode graphs, and on a GPU
+    async scheduling, which launches step t+1 before step t's token reaches the host), from its
+    step log: decode steps over their seconds."""
+    from engine.runtime.sampling_params import SamplingParams
+    llm.generate([ids], SamplingParams(max_new_tokens=8, ignore_eos=True))           # warm-up
+    llm.generate([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    decode = [entry for entry in llm.last_step_log if entry["kind"] == "decode"]
+    return len(decode) / sum(entry["seconds"] for entry in decode)
