@@ -89,6 +89,15 @@ STAGES: dict[str, Stage] = {
         "const float* top_p, const float* u, int* out, int V), compiled with -DTHREADS=1024; with an override "
         "it runs for greedy rows too",
         ("sampling", "sample_rows"), "THREADS"),
+    "quant_gemv": Stage(
+        "fn(x [T, K] float32, qw QuantizedWeight: int4 qweight uint32 [N, K/8], scales float16 [N, K/G], zeros "
+        "uint8 [N, K/G], group_size G) -> x @ dequantize(W)^T, [T, N] float32: every int4 projection of a "
+        "quantized model (NumPy backend only: on the GPU override it with CUDA source)",
+        "quant_gemv_int4<<<ceil(N / 8), 256>>>(const unsigned short* x, long long ldx, const unsigned* qweight, "
+        "const unsigned short* scales, const unsigned char* zeros, float* out, long long ldo, int T <= 8, int N, "
+        "int K, int G), compiled with -DQGEMV_MAX_ROWS=8 -DQGEMV_WARPS=8 -DQGEMV_UNROLL=4: int4 decode rows "
+        "(1..16, launched 8 rows at a time) of every projection; int8 weights keep the engine's kernels",
+        ("quant_gemv", "quant_gemv_int4"), "QGEMV_MAX_ROWS, QGEMV_WARPS, QGEMV_UNROLL"),
     "kv_write": Stage(
         "fn(k [T, Hkv, D], v [T, Hkv, D], k_cache [NP, PS, Hkv, D], v_cache, slot_mapping [T]) -> None: "
         "writes IN PLACE, token t to row slot_mapping[t] of the flattened [NP*PS, Hkv, D] cache "

@@ -48,6 +48,7 @@
 // they agree): QGEMV_MAX_ROWS (rows of x), QGEMV_WARPS (rows of W per block, one per warp) and
 // QGEMV_UNROLL (16-byte chunks in flight per lane). No tensor cores: any GPU CuPy runs on.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef QGEMV_MAX_ROWS
 #define QGEMV_MAX_ROWS 8
@@ -227,6 +228,197 @@ extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int4_u
 extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int8_unaligned(QGEMV_ARGS) {
     quant_gemv_row<8, false>(QGEMV_PASS);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core path (sm_80+): quant_mma_int4 / quant_mma_int8, 1 <= T <= 8 * TILES rows of x.
+// The layout of gemv.cu with the unpacking in front of the mma: block b owns the 16 output columns
+// n0 = 16 b .. 16 b + 15 (the M of mma.m16n8k16: W is the A operand), its warps split K into
+// k-blocks of 4 chunks (one 16-byte chunk of a row per lane q: int4 128 k, int8 64 k), warp j taking
+// k-blocks j, j + warps, ...; lane (g = lane / 4, q = lane % 4) reads the 16-byte chunk 4 kb + q of
+// rows n0 + g and n0 + g + 8, so that 4 lanes read a row's 64 contiguous bytes. Every packed byte is
+// read once; QMMA_UNROLL k-blocks of loads are issued before the first is unpacked.
+//   A chunk holds VPC = 128 / BITS values (inside one group: G % VPC == 0); it is used as VPC / 8
+//   sub-blocks of 8 values, each two mmas of k = 16 over the 4 lanes. A dot product does not care in
+//   which order k is summed, provided A and B agree, so the 8 values of a sub-block fill the fragment
+//   slots in the order the unpacking produces them: the pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7),
+//     mma 1: a0 a2 = row n0+g (v0,v4) (v1,v5), a1 a3 = the same of row n0+g+8, b0 b1 = x (x0,x4) (x1,x5)
+//     mma 2: the same with (v2,v6), (v3,v7) and (x2,x6), (x3,x7)
+//   and x's 16 bytes (x0..x7) are rearranged into those pairs with four byte permutes.
+// Unpacking to bf16 pairs, two values per instruction where possible:
+//   int4: (word >> 4 j) & 0x000f000f | 0x43004300 is the bf16 pair (128 + v_j, 128 + v_{j+4}) (128 + q
+//         is exact in bf16 for q < 128); minus the pair (128 + z) gives q - z exactly, times the
+//         group's scale (rounded to bf16) gives W in bf16, rounded once.
+//   int8: q - z (|q - z| <= 255, exact in fp32 and in bf16) through the float 2^23 + q (a byte permute),
+//         two values converted to a bf16 pair at once, then times the scale in bf16.
+// So A is W rounded to bf16 with the scale rounded to bf16 first: within a few bf16 ulps of
+// dequantize_ref (W bf16 * x bf16 -> fp32 on the tensor cores, like the bf16 GEMV).
+// TILES mmas of n = 8 per sub-block cover x rows 0..7, 8..15: the unpacked A serves all of them.
+// Accumulators c0 c1 = out[8 t + 2q, + 1][n0+g], c2 c3 = out[8 t + 2q, + 1][n0+g+8]; the warps'
+// partial sums meet in shared memory in warp order (deterministic), warp 0 writes the tile.
+// Needs: 16-byte qweight rows and x rows (K % VPC == 0, ldx % 8 == 0, aligned), G % VPC == 0.
+#ifndef QMMA_WARPS
+#define QMMA_WARPS 16
+#endif
+#ifndef QMMA_UNROLL
+#define QMMA_UNROLL 2
+#endif
+static_assert(QMMA_WARPS >= 1 && QMMA_WARPS <= 32, "QMMA_WARPS: 1..32 warps per block");
+static_assert(QMMA_UNROLL >= 1 && QMMA_UNROLL <= 4, "QMMA_UNROLL: 1..4 k-blocks of loads in flight");
+
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ unsigned bf16x2_sub(unsigned a, unsigned b) {
+    const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+__device__ __forceinline__ unsigned bf16x2_mul(unsigned a, unsigned b) {
+    const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const unsigned*>(&r);
+}
+__device__ __forceinline__ float half_to_float(unsigned short h) {      // the hardware conversion, exact
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// One row's group constants for the chunk at k0: the scale as a bf16 pair, and the zero point as
+// the pair (128 + z) (int4, bf16 bits 0x4300 | z) or the float 2^23 + z (int8).
+template <int BITS>
+struct GroupOf {
+    unsigned scale2, zero2;
+    float zero_magic;
+    __device__ __forceinline__ GroupOf(const unsigned short* srow, const unsigned char* zrow, int group) {
+        const float s = half_to_float(srow[group]);
+        scale2 = pack_bf16(s, s);
+        const unsigned z = zrow[group];
+        zero2 = (0x4300u | z) * 0x00010001u;
+        zero_magic = MAGIC + (float)z;
+    }
+};
+
+// W values of sub-block `sub` of a chunk (8 values) as the four bf16 pairs (v_j, v_{j+4}), j = 0..3.
+template <int BITS>
+__device__ __forceinline__ void unpack_pairs(unsigned* pair, uint4 chunk, int sub, const GroupOf<BITS>& grp) {
+    const unsigned words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+    if constexpr (BITS == 4) {
+        const unsigned w = words[sub];                               // 8 values, v_i in bits 4i
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            pair[j] = bf16x2_mul(bf16x2_sub(((w >> (4 * j)) & 0x000f000fu) | 0x43004300u, grp.zero2), grp.scale2);
+    } else {
+        const unsigned lo = words[2 * sub], hi = words[2 * sub + 1];  // v0..v3, v4..v7, v_i in byte i
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float a = __uint_as_float(__byte_perm(lo, MAGIC_BITS, 0x7650u | j)) - grp.zero_magic;
+            const float b = __uint_as_float(__byte_perm(hi, MAGIC_BITS, 0x7650u | j)) - grp.zero_magic;
+            pair[j] = bf16x2_mul(pack_bf16(a, b), grp.scale2);
+        }
+    }
+}
+
+// acc[t] += the chunk pair's products with x rows 8 t + g: the 16-byte chunks ca (row n0 + g) and
+// cb (row n0 + g + 8) start at k0; `valid` false (a lane past K in the last k-block) adds zeros.
+template <int BITS, int TILES>
+__device__ __forceinline__ void chunk_mma(float (*acc)[4], uint4 ca, uint4 cb, int k0, bool valid, int G,
+                                          const unsigned short* srow_a, const unsigned char* zrow_a,
+                                          const unsigned short* srow_b, const unsigned char* zrow_b,
+                                          const unsigned short* const* xrow) {
+    constexpr int SUBS = 16 / BITS;                   // 8-value sub-blocks per chunk: 4 (int4) or 2 (int8)
+    const int group = valid ? k0 / G : 0;
+    const GroupOf<BITS> ga(srow_a, zrow_a, group), gb(srow_b, zrow_b, group);
+#pragma unroll
+    for (int sub = 0; sub < SUBS; ++sub) {
+        unsigned pa[4] = {0u, 0u, 0u, 0u}, pb[4] = {0u, 0u, 0u, 0u};
+        if (valid) { unpack_pairs<BITS>(pa, ca, sub, ga); unpack_pairs<BITS>(pb, cb, sub, gb); }
+        const unsigned a1[4] = {pa[0], pb[0], pa[1], pb[1]}, a2[4] = {pa[2], pb[2], pa[3], pb[3]};
+#pragma unroll
+        for (int t = 0; t < TILES; ++t) {
+            const uint4 xv = valid ? __ldg(reinterpret_cast<const uint4*>(xrow[t] + k0 + 8 * sub))
+                                   : make_uint4(0u, 0u, 0u, 0u);     // x0x1 x2x3 x4x5 x6x7
+            mma_bf16(acc[t], a1, __byte_perm(xv.x, xv.z, 0x5410u), __byte_perm(xv.x, xv.z, 0x7632u));
+            mma_bf16(acc[t], a2, __byte_perm(xv.y, xv.w, 0x5410u), __byte_perm(xv.y, xv.w, 0x7632u));
+        }
+    }
+}
+#endif
+
+template <int BITS, int TILES>
+__device__ __forceinline__ void quant_mma_tile(QGEMV_ARGS) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int VPC = 128 / BITS;                   // values per 16-byte chunk: 32 or 16
+    __shared__ float4 partial[TILES][QMMA_WARPS * 32];     // the warps' accumulators: lane L of warp j at 32 j + L
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int na = blockIdx.x * 16 + g, nb = na + 8;  // this lane's two rows of W (output columns)
+    const bool a_ok = na < N, b_ok = nb < N;
+    const int chunks = K / VPC, groups = K / G;
+    // Rows past N and x rows past T read row 0 instead (their outputs are never written), as in gemv.cu.
+    const long long ra = a_ok ? na : 0, rb = b_ok ? nb : 0;
+    const uint4* wa = reinterpret_cast<const uint4*>(qweight) + ra * chunks;   // [chunks] row na
+    const uint4* wb = reinterpret_cast<const uint4*>(qweight) + rb * chunks;   // [chunks] row nb
+    const unsigned short* xrow[TILES];                                         // [K] x rows 8 t + g
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) xrow[t] = x + (8 * t + g < T ? 8 * t + g : 0) * ldx;
+#define QMMA_GROUPS scales + ra * groups, zeros + ra * groups, scales + rb * groups, zeros + rb * groups
+
+    float acc[TILES][4];
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    const int kblocks = (chunks + 3) / 4, full = chunks / 4;
+    int kb = warp;
+    for (; kb + (QMMA_UNROLL - 1) * warps < full; kb += QMMA_UNROLL * warps) {   // every load first
+        uint4 ca[QMMA_UNROLL], cb[QMMA_UNROLL];
+#pragma unroll
+        for (int u = 0; u < QMMA_UNROLL; ++u) {
+            const int c = 4 * (kb + u * warps) + q;
+            ca[u] = load_stream(wa + c);
+            cb[u] = load_stream(wb + c);
+        }
+#pragma unroll
+        for (int u = 0; u < QMMA_UNROLL; ++u)
+            chunk_mma<BITS, TILES>(acc, ca[u], cb[u], (4 * (kb + u * warps) + q) * VPC, true, G, QMMA_GROUPS, xrow);
+    }
+    for (; kb < kblocks; kb += warps) {               // the rest; lanes past K add zeros
+        const int c = 4 * kb + q;
+        const bool valid = c < chunks;
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        chunk_mma<BITS, TILES>(acc, valid ? load_stream(wa + c) : zero, valid ? load_stream(wb + c) : zero,
+                               c * VPC, valid, G, QMMA_GROUPS, xrow);
+    }
+#undef QMMA_GROUPS
+
+    if (warps > 1) {                                  // uniform over the block
+#pragma unroll
+        for (int t = 0; t < TILES; ++t) partial[t][threadIdx.x] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        __syncthreads();
+        if (warp != 0) return;
+        for (int j = 1; j < warps; ++j)
+#pragma unroll
+            for (int t = 0; t < TILES; ++t) {
+                const float4 p = partial[t][32 * j + lane];
+                acc[t][0] += p.x; acc[t][1] += p.y; acc[t][2] += p.z; acc[t][3] += p.w;
+            }
+    }
+#pragma unroll
+    for (int t = 0; t < TILES; ++t) {
+        const int t0 = 8 * t + 2 * q, t1 = t0 + 1;    // this lane's two rows of x / out
+        if (t0 < T) {
+            if (a_ok) out[t0 * ldo + na] = acc[t][0];
+            if (b_ok) out[t0 * ldo + nb] = acc[t][2];
+        }
+        if (t1 < T) {
+            if (a_ok) out[t1 * ldo + na] = acc[t][1];
+            if (b_ok) out[t1 * ldo + nb] = acc[t][3];
+        }
+    }
+#else
+    __trap();   // needs sm_80+ (bf16 mma.sync); engine/ops/quant_gemv.py never launches it below that
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int4_x8(QGEMV_ARGS) { quant_mma_tile<4, 1>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int4_x16(QGEMV_ARGS) { quant_mma_tile<4, 2>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int8_x8(QGEMV_ARGS) { quant_mma_tile<8, 1>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int8_x16(QGEMV_ARGS) { quant_mma_tile<8, 2>(QGEMV_PASS); }
 
 // W [N, K] as bf16 bits: one thread per 32-bit word of qweight, writing its 8 (int4: one 16-byte
 // store) or 4 (int8: one 8-byte store) values; K is a multiple of the values per word, so a word's

@@ -6,8 +6,9 @@ inaccessible pages, so a read past an input faults) on small awkward shapes, aga
 references of engine/ops/quantization.py: quant_linear_ref (fp32 sums in another order: a relative
 bound) and f32_to_bf16(dequantize_ref) (bit for bit). The output is poisoned and followed by a
 poisoned guard: an unwritten element or a write past the end shows.
-On a GPU (`@pytest.mark.gpu`): the Llama-3.2-1B projections, every row count, unaligned and strided
-operands, the prefill path (dequantize + cuBLAS) and a CUDA-graph capture.
+On a GPU (`@pytest.mark.gpu`): the Llama-3.2-1B projections, every row count (1..16: the tensor-core
+kernel, against mma_weight_ref, the bf16 W it multiplies), unaligned and strided operands (the CUDA-core
+kernel), the prefill path (dequantize + cuBLAS), a learner's kernel plugged in, a CUDA-graph capture.
 """
 
 import numpy as np
@@ -20,7 +21,8 @@ from engine.ops import quant_gemv as qg
 from engine.ops.quantization import QuantizedWeight, dequantize_ref, quant_linear_ref, quantize_ref
 
 SOURCE = KERNELS_DIR / "quant_gemv.cu"
-DEFINES = {"QGEMV_MAX_ROWS": qg.QGEMV_MAX_ROWS, "QGEMV_WARPS": qg.QGEMV_WARPS, "QGEMV_UNROLL": qg.QGEMV_UNROLL}
+DEFINES = {"QGEMV_MAX_ROWS": qg.QGEMV_MAX_ROWS, "QGEMV_WARPS": qg.QGEMV_WARPS, "QGEMV_UNROLL": qg.QGEMV_UNROLL,
+           "QMMA_WARPS": qg.QMMA_WARPS, "QMMA_UNROLL": qg.QMMA_UNROLL}
 POISON32, POISON16 = np.uint32(0xFFFFFFFF), np.uint16(0xFFFF)
 cpu_only = pytest.mark.skipif(cuda_cpu.unavailable_reason() is not None,
                               reason=f"no CPU executor here: {cuda_cpu.unavailable_reason()}")
@@ -45,11 +47,13 @@ def activations(rng, T: int, K: int, ldx: int) -> tuple[np.ndarray, np.ndarray]:
     return bits, bf16_to_f32(bits[:, :K])
 
 
-def assert_close(got: np.ndarray, x: np.ndarray, qw: QuantizedWeight, K: int) -> None:
-    """got [T, N] against quant_linear_ref within a bound relative to |x| @ |W|^T (the magnitude of
-    the terms: a sum that cancels is held to its terms' size, not its own)."""
-    want = quant_linear_ref(x, qw)                                                        # [T, N]
-    magnitude = np.abs(x).astype(np.float64) @ np.abs(dequantize_ref(qw)).astype(np.float64).T
+def assert_close(got: np.ndarray, x: np.ndarray, qw: QuantizedWeight, K: int, tensor_cores: bool = False) -> None:
+    """got [T, N] against x @ W^T within a bound relative to |x| @ |W|^T (the magnitude of the terms: a
+    sum that cancels is held to its terms' size, not its own). W: dequantize_ref (the CUDA-core kernel),
+    or mma_weight_ref (the tensor-core kernel's bf16 W) when `tensor_cores`."""
+    w = qg.mma_weight_ref(qw) if tensor_cores else dequantize_ref(qw)                     # [N, K]
+    want = quant_linear_ref(x, qw) if not tensor_cores else x @ w.T                       # [T, N]
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
     assert np.isfinite(got).all(), "a NaN or inf: an output never written (the poison) or a bad scale"
     bound = 1e-5 * max(1.0, K / 2048) * magnitude + 1e-30
     worst = np.unravel_index(np.argmax(np.abs(got - want) / bound), got.shape)
@@ -119,8 +123,8 @@ def test_dequantize_is_bf16_of_the_reference_bit_for_bit_on_the_cpu_executor(bit
 def test_supported_is_a_cheap_shape_and_dtype_check():
     qw = quantize_ref(np.ones((4, 64), np.float32), 4, 32)
     assert qg.supported(np.zeros((1, 64), np.uint16), qw)
-    assert qg.supported(np.zeros((8, 64), np.uint16), qw, np.zeros((8, 4), np.float32))
-    assert not qg.supported(np.zeros((9, 64), np.uint16), qw)                    # prefill: dequantize + GEMM
+    assert qg.supported(np.zeros((16, 64), np.uint16), qw, np.zeros((16, 4), np.float32))
+    assert not qg.supported(np.zeros((17, 64), np.uint16), qw)                   # prefill: dequantize + GEMM
     assert not qg.supported(np.zeros((1, 64), np.float32), qw)
     assert not qg.supported(np.zeros((1, 32), np.uint16), qw)
     assert not qg.supported(np.zeros((1, 64), np.uint16), qw, np.zeros((1, 4), np.uint16))
@@ -145,12 +149,13 @@ def test_quant_gemv_on_the_model_shapes_for_every_row_count(N, K, bits):
     rng = np.random.default_rng(N + K + bits)
     qw = weight(rng, N, K, bits, 128)
     dev = to_device(qw)
-    x_bits, x = activations(rng, qg.QGEMV_MAX_ROWS, K, K)
+    x_bits, x = activations(rng, qg.QMMA_MAX_ROWS, K, K)
     xd = cp.asarray(x_bits)
-    for T in range(1, qg.QGEMV_MAX_ROWS + 1):
+    assert qg.uses_tensor_cores(xd, dev)
+    for T in range(1, qg.QMMA_MAX_ROWS + 1):
         out = cp.full((T, N), np.nan, dtype=cp.float32)                    # poisoned: unwritten stays NaN
         assert qg.quant_gemv(xd[:T], dev, out) is out
-        assert_close(out.get(), x[:T], qw, K)
+        assert_close(out.get(), x[:T], qw, K, tensor_cores=True)
     np.testing.assert_array_equal(qg.dequantize_bf16(dev).get(), f32_to_bf16(dequantize_ref(qw)))
 
 
@@ -171,14 +176,15 @@ def test_quant_gemv_unaligned_and_strided(bits, N, K, G, ldx, offset):
     x = bf16_to_f32(x_bits[:, offset:offset + K])
     xd = cp.asarray(x_bits)[:, offset:offset + K]
     out = cp.full((3, N), np.nan, dtype=cp.float32)
-    qg.quant_gemv(xd, to_device(qw), out)
-    assert_close(out.get(), x, qw, K)
+    dev = to_device(qw)
+    qg.quant_gemv(xd, dev, out)
+    assert_close(out.get(), x, qw, K, tensor_cores=qg.uses_tensor_cores(xd, dev))
     np.testing.assert_array_equal(qg.dequantize_bf16(to_device(qw)).get(), f32_to_bf16(dequantize_ref(qw)))
 
 
 @pytest.mark.gpu
 def test_prefill_dequantize_then_gemm():
-    """T > QGEMV_MAX_ROWS: the scratch bf16 W times x through cuBLAS, as bf16 weights would be."""
+    """T > QMMA_MAX_ROWS: the scratch bf16 W times x through cuBLAS, as bf16 weights would be."""
     import cupy as cp
 
     from engine.backend import matmul
@@ -198,7 +204,7 @@ def test_prefill_dequantize_then_gemm():
 def test_quant_gemv_rejects_what_it_cannot_take():
     import cupy as cp
     dev = to_device(weight(np.random.default_rng(0), 8, 64, 4, 32))
-    for x, what in [(cp.zeros((9, 64), cp.uint16), "1 to 8 rows"), (cp.zeros((1, 64), cp.float32), "bf16 bits"),
+    for x, what in [(cp.zeros((17, 64), cp.uint16), "1 to 16 rows"), (cp.zeros((1, 64), cp.float32), "bf16 bits"),
                     (cp.zeros((1, 32), cp.uint16), "bf16 bits")]:
         with pytest.raises(qg.QuantGemvInputError, match=what):
             qg.quant_gemv(x, dev)
@@ -231,4 +237,22 @@ def test_quant_gemv_replays_from_a_cuda_graph():
         cp.cuda.Device().synchronize()
         graph.launch(stream)
         stream.synchronize()
-        assert_close(out.get(), x2, qw, 2048)
+        assert_close(out.get(), x2, qw, 2048, tensor_cores=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 13])
+def test_a_plugged_in_kernel_replaces_the_int4_gemv(T):
+    """The engine's own CUDA-core kernel as a learner's `quant_gemv` stage: int4 projections run it (8 rows
+    per launch, fp32 sums: quant_linear_ref's W), int8 ones keep the engine's tensor-core kernel."""
+    import cupy as cp
+
+    import engine
+    rng = np.random.default_rng(T)
+    qw4, qw8 = weight(rng, 300, 1024, 4, 128), weight(rng, 300, 1024, 8, 128)
+    x_bits, x = activations(rng, T, 1024, 1024)
+    xd = cp.asarray(x_bits)
+    with engine.use_stage("quant_gemv", cuda_source=SOURCE.read_text(), kernel="quant_gemv_int4"):
+        assert not qg.uses_tensor_cores(xd, to_device(qw4))
+        assert_close(qg.quant_gemv(xd, to_device(qw4)).get(), x, qw4, 1024)
+        assert_close(qg.quant_gemv(xd, to_device(qw8)).get(), x, qw8, 1024, tensor_cores=True)

@@ -189,6 +189,24 @@ def test_quantized_serving_paths_agree(family_dir):
         [alone.generate([p], [q])[0].token_ids for p, q in zip(prompts, params, strict=True)]
 
 
+def test_a_numpy_quant_gemv_override_runs_in_every_int4_projection(family_dir):
+    """The chapter's plug-in stage: your function computes every int4 projection of the real model (the
+    engine's dense cache is bypassed), and an int8 model does not call it."""
+    calls = []
+
+    def mine(x, qw):
+        calls.append(qw.shape)
+        return quant_linear_ref(x, qw)
+
+    model = engine.load_model(family_dir, "numpy", quantization="int4", group_size=8)
+    want = model.logits(PROMPTS[0])
+    with engine.use_stage("quant_gemv", mine):
+        got = model.logits(PROMPTS[0])
+        engine.load_model(family_dir, "numpy", quantization="int8", group_size=8).logits(PROMPTS[0])
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_default_group_is_128_or_the_largest_below_that_the_sizes_take():
     from engine.formats.config import config_from_dict
     from engine.model.weights import default_group_size

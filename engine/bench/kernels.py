@@ -290,39 +290,42 @@ class Bench:
     QUANT_GEMV_SHAPES = GEMV_SHAPES[:4]       # Llama-3.2-1B's qkv, o, gate_up, down
 
     def quant_gemv(self):
-        """Batch-1 decode projections with int4 and int8 weights (kernels_cu/quant_gemv.cu, group 128)
-        beside the bf16 GEMV on the same W, checked against quant_linear_ref and timed as `gemv` is
-        (a CUDA graph cycling over copies of the weight). GB/s counts qweight + scales + zeros + x."""
-        from engine.backend import tensor_cores_usable
-        from engine.ops.gemv import gemv
-        from engine.ops.quant_gemv import quant_gemv
-        from engine.ops.quantization import QuantizedWeight, quant_linear_ref, quantize_ref
+        """Decode projections with int4 and int8 weights (kernels_cu/quant_gemv.cu, group 128) beside the
+        bf16 path on the same W (the GEMV at 1 row, cuBLAS at 16, as linear() routes them), at 1 and 16
+        rows, checked against the W each kernel multiplies (mma_weight_ref on the tensor-core path,
+        dequantize_ref otherwise) and timed as `gemv` is (a CUDA graph cycling over copies of the
+        weight). GB/s counts qweight + scales + zeros + x."""
+        from engine.ops.linear import linear
+        from engine.ops.quant_gemv import mma_weight_ref, quant_gemv, uses_tensor_cores
+        from engine.ops.quantization import QuantizedWeight, dequantize_ref, quantize_ref
         cp = self.cp
         for name, N, K in self.QUANT_GEMV_SHAPES:
             w, w_h = self.bf16(N, K, scale=K ** -0.5)
-            x, x_h = self.bf16(1, K)
-            shape = f"{name} N={N} K={K} T=1"
-            runs = [("gemv_bf16 decode", w, 2 * N * K, None)] if tensor_cores_usable(cp.cuda.Device().id) else []
-            for bits in (4, 8):
-                qh = quantize_ref(w_h, bits, 128)
-                qw = QuantizedWeight(cp.asarray(qh.qweight), cp.asarray(qh.scales), cp.asarray(qh.zeros), bits,
-                                     qh.group_size, qh.shape)
-                runs.append((f"quant_gemv int{bits} decode", qw, qw.nbytes, quant_linear_ref(x_h, qh)))
-            ms_bf16 = None
-            for kernel, weight, wbytes, ref in runs:
-                fn, clone = (gemv, lambda a: a.copy()) if ref is None else (quant_gemv, lambda q: QuantizedWeight(
-                    q.qweight.copy(), q.scales.copy(), q.zeros.copy(), q.bits, q.group_size, q.shape))
-                copies = [weight]
-                if not self.check_only:        # distinct addresses, same values: every pass reads HBM
-                    copies += [clone(weight) for _ in range(min(511, -(-self.GEMV_FLUSH_BYTES // wbytes) - 1))]
-                with self.poisoned():
-                    out = fn(x, weight)
-                ms = self.graph_time_ms([lambda c=c: fn(x, c, out) for c in copies], -(-8 // len(copies)))
-                err = rel_err(out.get(), _linear_ref64(x_h, w_h) if ref is None else ref)
-                ms_bf16 = ms if ref is None else ms_bf16
-                speed = f"{ms_bf16 / ms:.2f}x gemv_bf16" if ms and ms_bf16 and ref is not None else ""
-                self.record(kernel, shape, err, _fp32_acc_tol(K), ms, wbytes + 2 * K, note=speed)
-                del copies
+            for T in (1, 16):
+                x, x_h = self.bf16(T, K)
+                shape = f"{name} N={N} K={K} T={T}"
+                runs = [(f"{'gemv_bf16' if T <= 8 else 'cublas_bf16'} decode", w, 2 * N * K, None)]
+                for bits in (4, 8):
+                    qh = quantize_ref(w_h, bits, 128)
+                    qw = QuantizedWeight(cp.asarray(qh.qweight), cp.asarray(qh.scales), cp.asarray(qh.zeros), bits,
+                                         qh.group_size, qh.shape)
+                    w_ref = mma_weight_ref(qh) if uses_tensor_cores(x, qw) else dequantize_ref(qh)
+                    runs.append((f"quant_gemv int{bits} decode", qw, qw.nbytes, x_h @ w_ref.T))
+                ms_bf16 = None
+                for kernel, weight, wbytes, ref in runs:
+                    fn, clone = (linear, lambda a: a.copy()) if ref is None else (quant_gemv, lambda q: QuantizedWeight(
+                        q.qweight.copy(), q.scales.copy(), q.zeros.copy(), q.bits, q.group_size, q.shape))
+                    copies = [weight]
+                    if not self.check_only:        # distinct addresses, same values: every pass reads HBM
+                        copies += [clone(weight) for _ in range(min(511, -(-self.GEMV_FLUSH_BYTES // wbytes) - 1))]
+                    with self.poisoned():
+                        out = fn(x, weight)
+                    ms = self.graph_time_ms([lambda c=c: fn(x, c, out) for c in copies], -(-8 // len(copies)))
+                    err = rel_err(out.get(), _linear_ref64(x_h, w_h) if ref is None else ref)
+                    ms_bf16 = ms if ref is None else ms_bf16
+                    speed = f"{ms_bf16 / ms:.2f}x bf16" if ms and ms_bf16 and ref is not None else ""
+                    self.record(kernel, shape, err, _fp32_acc_tol(K), ms, wbytes + 2 * K * T, note=speed)
+                    del copies
 
     def swiglu(self):
         from engine.ops.swiglu import swiglu, swiglu_ref

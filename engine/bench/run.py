@@ -260,13 +260,15 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         modes = ["static+contiguous", "static+paged", "continuous+contiguous", "continuous+paged"]
         hf = None        # a padded batch of 1,024 rows is not a peer for a 128-seat server
     for mode in modes:
-        # "+sync": the host schedules one step at a time; "+nocache": no prefix caching
+        # "+sync": the host schedules one step at a time; "+nocache": no prefix caching; "+int8" / "+int4":
+        # the weights quantized on load (chapter 18; the floor below stays the bf16 weights')
         batching, kv, *flags = mode.split("+")
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs,
                   async_scheduling=False if "sync" in flags else None,
                   prefix_caching=False if "nocache" in flags else None,
-                  speculative={"method": "ngram", "num_tokens": 4} if "spec" in flags else None)
+                  speculative={"method": "ngram", "num_tokens": 4} if "spec" in flags else None,
+                  quantization=next((f for f in flags if f in ("int8", "int4")), None), group_size=args.group_size)
         warm, warm_lengths = warm_up_requests(prompts, llm.max_seqs, llm.max_context, llm.max_batch_tokens)
         llm.generate(warm, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in warm_lengths])
         if llm.prefix_caching:      # the warm-up's prompts are cut from the workload's: forget them
@@ -479,8 +481,9 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+paged+nocache",
                                                           "continuous+paged+sync", "continuous+contiguous",
                                                           "static+contiguous"],
-                    help="batching+cache[+sync][+nocache][+spec]; +sync: no async scheduling (the host schedules "
-                         "between steps); +nocache: no prefix caching; +spec: n-gram speculation (k=4)")
+                    help="batching+cache[+sync][+nocache][+spec][+int8|+int4]; +sync: no async scheduling (the host "
+                         "schedules between steps); +nocache: no prefix caching; +spec: n-gram speculation (k=4); "
+                         "+int8 / +int4: weights quantized on load (--group-size)")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     ap.add_argument("--oversub-requests", type=int, default=1024, help="requests of serve-oversubscribed")

@@ -397,8 +397,33 @@ def _quant_gemv_cases():
 def check_quant_gemv_kernel(source=None) -> bool | None:
     """GPU track: your int4 GEMV (default: kernels_cu/exercises/quant_gemv.cu; or a path, or the CUDA source
     text), launched as the engine launches quant_gemv_int4 (one warp per output row, 8 warps per block),
-    against x @ dequantize_ref(qw)^T, with the likely mistake named; on a GPU, its GB/s beside the engine's."""
-    from engine.exercises.cuda_check import Exercise, check_kernel
+    against x @ dequantize_ref(qw)^T, with the likely mistake named; on a GPU, its GB/s beside the engine's,
+    then the default model quantized to int4 runs with your kernel in every projection (`run_in_model`)."""
+    from engine.exercises.cuda_check import Exercise, check_kernel, cupy_unavailable_reason, read_source
     timing = lambda: _quant_gemv_case(np.random.default_rng(SEED + 2), 1, 4096, 4096, 128)  # noqa: E731
-    return check_kernel(Exercise("quant_gemv kernel", "quant_gemv.cu", "quant_gemv_int4", "quant_gemv",
-                                 _quant_gemv_cases, timing), source)
+    exercise = Exercise("quant_gemv kernel", "quant_gemv.cu", "quant_gemv_int4", "quant_gemv", _quant_gemv_cases, timing)
+    verdict = check_kernel(exercise, source)
+    if verdict is not True or cupy_unavailable_reason() is not None:
+        return verdict
+    return run_in_model(read_source(source, exercise)[0])
+
+
+def run_in_model(kernel_source: str, new_tokens: int = 16) -> bool:
+    """GPU: the default model quantized to int4 (group MODEL_GROUP_SIZE) decodes IN_MODEL_PROMPT greedily
+    with the engine's kernels, then with your quant_gemv_int4 plugged into every projection's decode rows
+    (engine/plugins.py stage "quant_gemv"): the logits agree to bf16 rounding and the tokens match."""
+    import engine
+    model_dir = engine.ensure_default_model()
+    llm = engine.LLM(model_dir, backend="cupy", max_context=256, quantization="int4", group_size=MODEL_GROUP_SIZE)
+    params = engine.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    want = llm.generate([IN_MODEL_PROMPT], params)[0].token_ids
+    with engine.use_stage("quant_gemv", cuda_source=kernel_source, kernel="quant_gemv_int4"):
+        got = llm.generate([IN_MODEL_PROMPT], params)[0].token_ids
+    same = sum(a == b for a, b in zip(got, want))
+    if same < len(want) - 2:      # bf16 kernels that sum in another order may flip a near-tie late
+        print(f"[x] quant_gemv kernel: in the model your kernel's greedy tokens match the engine's for {same} of "
+              f"{len(want)} steps")
+        return False
+    print(f"[OK] quant_gemv kernel: the default model quantized to int4 decoded {len(want)} tokens with your kernel "
+          f"in every projection: {same} of {len(want)} equal to the engine's own")
+    return True

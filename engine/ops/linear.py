@@ -22,6 +22,7 @@ from engine.checks import env_switch
 from engine.ops import gemv as _gemv
 from engine.ops import quant_gemv as _quant_gemv
 from engine.ops.quantization import QuantizedWeight, dequantize_ref
+from engine.plugins import OVERRIDES, PluginError, run_function
 
 ENV_SWITCH = "ENGINE_GEMV"      # "0" sends every projection to cuBLAS
 GEMV_MAX_WEIGHT_ELEMENTS = 24 * 2**20   # larger weights stream faster through cuBLAS (measured above)
@@ -55,13 +56,20 @@ def quantized_linear(x, w: QuantizedWeight, out=None):
     """x [T, K] @ dequantize(W)^T -> fp32 [T, N] (engine/ops/quantization.py).
 
     CPU: the dequantized float32 matrix, made once and kept (the CPU backend computes in float32; the
-    packed form is what the GPU reads). GPU: decode rows (1..8) go to the dequantizing GEMV, which reads
-    each packed weight once and unpacks it in registers; more rows (prefill, large batches) dequantize W
-    into a bf16 scratch matrix and run cuBLAS on it."""
+    packed form is what the GPU reads), or your `quant_gemv` function for int4 weights while one is
+    plugged in. GPU: decode rows (1..16) go to the dequantizing GEMV, which reads each packed weight once
+    and unpacks it in registers; more rows (prefill, large batches) dequantize W into a bf16 scratch
+    matrix and run cuBLAS on it."""
+    plug = OVERRIDES.get("quant_gemv") if w.bits == 4 else None   # your stage (engine/plugins.py), if active
     if not is_device_array(w.qweight):
+        if plug is not None:
+            return run_function(plug, (x.shape[0], w.shape[0]), False, x, x, w)
         if w.dense is None:
             w.dense = dequantize_ref(w)
         return linear_ref(x, w.dense)
+    if plug is not None and plug.fn is not None:
+        raise PluginError("a NumPy function override of 'quant_gemv' runs on the NumPy backend only; on the GPU "
+                          "pass cuda_source= and kernel=")
     if _quant_gemv.supported(x, w, out):
         return _quant_gemv.quant_gemv(x, w, out)
     import cupy as cp
