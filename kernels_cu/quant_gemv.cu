@@ -323,6 +323,12 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[4], uint4 ca, uint4 cb, i
                                           const unsigned short* srow_b, const unsigned char* zrow_b,
                                           const unsigned short* const* xrow) {
     constexpr int SUBS = 16 / BITS;                   // 8-value sub-blocks per chunk: 4 (int4) or 2 (int8)
+    uint4 xv[TILES][SUBS];                            // x's 8 values per sub-block: loaded first, all at once
+#pragma unroll
+    for (int t = 0; t < TILES; ++t)
+#pragma unroll
+        for (int sub = 0; sub < SUBS; ++sub)
+            xv[t][sub] = valid ? __ldg(reinterpret_cast<const uint4*>(xrow[t] + k0 + 8 * sub)) : make_uint4(0u, 0u, 0u, 0u);
     const int group = valid ? k0 / G : 0;
     const GroupOf<BITS> ga(srow_a, zrow_a, group), gb(srow_b, zrow_b, group);
 #pragma unroll
@@ -331,11 +337,10 @@ __device__ __forceinline__ void chunk_mma(float (*acc)[4], uint4 ca, uint4 cb, i
         if (valid) { unpack_pairs<BITS>(pa, ca, sub, ga); unpack_pairs<BITS>(pb, cb, sub, gb); }
         const unsigned a1[4] = {pa[0], pb[0], pa[1], pb[1]}, a2[4] = {pa[2], pb[2], pa[3], pb[3]};
 #pragma unroll
-        for (int t = 0; t < TILES; ++t) {
-            const uint4 xv = valid ? __ldg(reinterpret_cast<const uint4*>(xrow[t] + k0 + 8 * sub))
-                                   : make_uint4(0u, 0u, 0u, 0u);     // x0x1 x2x3 x4x5 x6x7
-            mma_bf16(acc[t], a1, __byte_perm(xv.x, xv.z, 0x5410u), __byte_perm(xv.x, xv.z, 0x7632u));
-            mma_bf16(acc[t], a2, __byte_perm(xv.y, xv.w, 0x5410u), __byte_perm(xv.y, xv.w, 0x7632u));
+        for (int t = 0; t < TILES; ++t) {             // x0x1 x2x3 x4x5 x6x7 -> (x0,x4) (x1,x5), (x2,x6) (x3,x7)
+            const uint4 v = xv[t][sub];
+            mma_bf16(acc[t], a1, __byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u));
+            mma_bf16(acc[t], a2, __byte_perm(v.y, v.w, 0x5410u), __byte_perm(v.y, v.w, 0x7632u));
         }
     }
 }

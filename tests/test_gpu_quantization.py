@@ -34,9 +34,9 @@ def test_quantized_logits_and_decoding_match_numpy(preset_dir):
         assert np.mean(got.argmax(-1) == ref.argmax(-1)) > 0.9
         # decode rows go through the dequantizing GEMV (and its CUDA graphs); batched, each request
         # keeps close to its own greedy answer on the NumPy backend
-        llm = engine.LLM(model_dir, backend="cupy", max_seqs=8, max_context=256, quantization=quantization,
+        llm = engine.LLM(model_dir, backend="cupy", max_seqs=8, max_context=128, quantization=quantization,
                          group_size=group)
-        cpu = engine.LLM(model_dir, backend="numpy", max_seqs=8, max_context=256, quantization=quantization,
+        cpu = engine.LLM(model_dir, backend="numpy", max_seqs=8, max_context=128, quantization=quantization,
                          group_size=group)
         prompts = [np.random.default_rng(s).integers(3, 250, 6 + 5 * s).tolist() for s in range(6)]
         params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * len(prompts)

@@ -102,12 +102,13 @@ def mma_weight_ref(qw: QuantizedWeight) -> np.ndarray:
 
 def mma_geometry(N: int, K: int, bits: int, sms: int) -> tuple[int, int]:
     """(blocks, warps per block) of the tensor-core kernel: one block per 16 output columns; a narrow W
-    gets more warps (splitting K) until the SMs are full or a warp would have fewer than two main-loop
-    steps of its own (a k-block is 4 chunks: 128 inputs at int4, 64 at int8)."""
+    gets more warps (splitting K) until the SMs are full or a warp would have less than one main-loop
+    step of its own (QMMA_UNROLL k-blocks of 4 chunks: 128 inputs at int4, 64 at int8). A small W has
+    few bytes per SM to hide the memory latency with: every warp that can issue loads helps."""
     tiles = -(-N // QMMA_TILE_N)
     kblocks = -(-K // (4 * CHUNK_BYTES * 8 // bits))
     warps = 1
-    while warps < QMMA_WARPS and tiles * warps < WARPS_PER_SM * sms and kblocks >= 4 * warps * QMMA_UNROLL:
+    while warps < QMMA_WARPS and tiles * warps < WARPS_PER_SM * sms and kblocks >= 2 * warps * QMMA_UNROLL:
         warps *= 2
     return tiles, warps
 

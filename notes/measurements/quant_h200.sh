@@ -14,3 +14,10 @@ python3 -m engine.bench --preset llama-3.2-1b --backend cupy --scenario quantize
 python3 -m engine.bench --preset llama-3.2-1b --backend cupy --scenario serve --requests 256 \
   --serve-modes continuous+paged continuous+paged+int4 continuous+paged+int8 2>&1 | grep '^{' \
   | tee "$OUT/serve_quantized.jsonl" | cut -c150-600
+# memcheck and racecheck on the quantized kernels (both paths: the tensor-core one and the CUDA-core one)
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -n 0 -p no:cacheprovider -m gpu \
+      tests/test_quant_gemv.py -k "unaligned_and_strided or plugged" 2>&1 | tail -3 | tee "$OUT/sanitizer_$tool.txt"
+  done
+fi
