@@ -28,25 +28,25 @@
 //     path: after the first warps of an SM it hits in L1 (else L2).
 //   * the lanes' partial sums meet by warp shuffles; lane 0 writes the T outputs of its row.
 // At T = 8 the FMAs (8 per value, 16 per int4 byte) outrun the bandwidth on CUDA cores: that shape
-// is compute bound here (the bf16 GEMV of gemv.cu uses the tensor cores for the same reason).
-// Measured (H200, `python -m engine.kernel_bench --only quant_gemv`, T = 1, Llama-3.2-1B shapes): NOT
-// yet at bandwidth. int4 reads 0.54-0.93 TB/s (13-22 % of copy), int8 0.85-1.68 TB/s: about the time
-// of the bf16 GEMV on 4x (2x) the bytes. Likely causes: at K = 2048 int4 a row is 2 chunks per lane,
-// so the UNROLL main loop never runs and the tail loop has one load in flight per lane; and ~10
-// instructions per int4 byte (unpack, x conversion, add, FMA) are near the issue rate at 4 TB/s.
+// is compute bound here, and even at T = 1 this kernel reads only 13-22 % of the copy bandwidth on the
+// H200 (int4, Llama-3.2-1B shapes): about ten instructions per int4 byte. It is the simple design (the
+// chapter's exercise, the fallback for any layout and GPU); the engine's decode rows go to the
+// tensor-core kernel further down (quant_mma_*), which unpacks two codes per instruction and lets
+// mma.sync do the multiply (notes/18_quantization.md has its figures).
 //
 // Entry points, one templated body: quant_gemv_int4 / quant_gemv_int8 (16-byte loads: every
 // qweight row a multiple of 16 bytes and 16-byte aligned, G a multiple of the values per chunk, x
 // rows 16-byte aligned) and quant_gemv_int4_unaligned / _int8_unaligned (one word per lane per step,
 // x element by element: any K, G and alignment; the same sums in another order).
 // dequantize_bf16_int4 / _int8: W [N, K] as bf16 bits, rounded to nearest even (the prefill path,
-// T > QGEMV_MAX_ROWS: dequantize into a scratch matrix, then the cuBLAS GEMM); bit for bit
+// more than 16 rows: dequantize into a scratch matrix, then the cuBLAS GEMM); bit for bit
 // f32_to_bf16(dequantize_ref(qw)), since (q - z) * s is exact in fp32.
 //
 // Compile-time constants, set by engine/ops/quant_gemv.py (the defaults below are its values, so that
 // a plain `nvcc quant_gemv.cu` builds the kernel the engine runs; tests/test_kernels_compile.py checks that
 // they agree): QGEMV_MAX_ROWS (rows of x), QGEMV_WARPS (rows of W per block, one per warp) and
-// QGEMV_UNROLL (16-byte chunks in flight per lane). No tensor cores: any GPU CuPy runs on.
+// QGEMV_UNROLL (16-byte chunks in flight per lane) for this kernel, which needs no tensor cores (any
+// GPU CuPy runs on); QMMA_WARPS, QMMA_UNROLL and QMMA_MIN_BLOCKS for the tensor-core one (sm_80+).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -260,7 +260,10 @@ extern "C" __global__ void __launch_bounds__(QGEMV_WARPS * 32) quant_gemv_int8_u
 #define QMMA_WARPS 16
 #endif
 #ifndef QMMA_UNROLL
-#define QMMA_UNROLL 2
+#define QMMA_UNROLL 4
+#endif
+#ifndef QMMA_MIN_BLOCKS      // resident blocks of QMMA_WARPS warps the registers must leave room for
+#define QMMA_MIN_BLOCKS 1
 #endif
 static_assert(QMMA_WARPS >= 1 && QMMA_WARPS <= 32, "QMMA_WARPS: 1..32 warps per block");
 static_assert(QMMA_UNROLL >= 1 && QMMA_UNROLL <= 4, "QMMA_UNROLL: 1..4 k-blocks of loads in flight");
@@ -420,10 +423,10 @@ __device__ __forceinline__ void quant_mma_tile(QGEMV_ARGS) {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int4_x8(QGEMV_ARGS) { quant_mma_tile<4, 1>(QGEMV_PASS); }
-extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int4_x16(QGEMV_ARGS) { quant_mma_tile<4, 2>(QGEMV_PASS); }
-extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int8_x8(QGEMV_ARGS) { quant_mma_tile<8, 1>(QGEMV_PASS); }
-extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32) quant_mma_int8_x16(QGEMV_ARGS) { quant_mma_tile<8, 2>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, QMMA_MIN_BLOCKS) quant_mma_int4_x8(QGEMV_ARGS) { quant_mma_tile<4, 1>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, QMMA_MIN_BLOCKS) quant_mma_int4_x16(QGEMV_ARGS) { quant_mma_tile<4, 2>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, QMMA_MIN_BLOCKS) quant_mma_int8_x8(QGEMV_ARGS) { quant_mma_tile<8, 1>(QGEMV_PASS); }
+extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, QMMA_MIN_BLOCKS) quant_mma_int8_x16(QGEMV_ARGS) { quant_mma_tile<8, 2>(QGEMV_PASS); }
 
 // W [N, K] as bf16 bits: one thread per 32-bit word of qweight, writing its 8 (int4: one 16-byte
 // store) or 4 (int8: one 8-byte store) values; K is a multiple of the values per word, so a word's

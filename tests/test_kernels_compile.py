@@ -30,7 +30,7 @@ LAUNCH_CONSTANTS = {
     "gemv.cu": {"GEMV_MAX_ROWS": gemv.GEMV_MAX_ROWS, "NWARPS": gemv.NWARPS, "UNROLL": gemv.UNROLL},
     "quant_gemv.cu": {"QGEMV_MAX_ROWS": quant_gemv.QGEMV_MAX_ROWS, "QGEMV_WARPS": quant_gemv.QGEMV_WARPS,
                       "QGEMV_UNROLL": quant_gemv.QGEMV_UNROLL, "QMMA_WARPS": quant_gemv.QMMA_WARPS,
-                      "QMMA_UNROLL": quant_gemv.QMMA_UNROLL},
+                      "QMMA_UNROLL": quant_gemv.QMMA_UNROLL, "QMMA_MIN_BLOCKS": quant_gemv.QMMA_MIN_BLOCKS},
 }
 # ... and for the kernels specialized per model shape, every shape the engine compiles them for
 VARIANTS = {

@@ -22,7 +22,7 @@ from engine.ops.quantization import QuantizedWeight, dequantize_ref, quant_linea
 
 SOURCE = KERNELS_DIR / "quant_gemv.cu"
 DEFINES = {"QGEMV_MAX_ROWS": qg.QGEMV_MAX_ROWS, "QGEMV_WARPS": qg.QGEMV_WARPS, "QGEMV_UNROLL": qg.QGEMV_UNROLL,
-           "QMMA_WARPS": qg.QMMA_WARPS, "QMMA_UNROLL": qg.QMMA_UNROLL}
+           "QMMA_WARPS": qg.QMMA_WARPS, "QMMA_UNROLL": qg.QMMA_UNROLL, "QMMA_MIN_BLOCKS": qg.QMMA_MIN_BLOCKS}
 POISON32, POISON16 = np.uint32(0xFFFFFFFF), np.uint16(0xFFFF)
 cpu_only = pytest.mark.skipif(cuda_cpu.unavailable_reason() is not None,
                               reason=f"no CPU executor here: {cuda_cpu.unavailable_reason()}")

@@ -192,7 +192,7 @@ def read_source(source, exercise: Exercise) -> tuple[str, str]:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"no CUDA source at {path}")
-        shown = path.relative_to(KERNELS_DIR.parent) if KERNELS_DIR.parent in path.resolve().parents else path
+        shown = path.resolve().relative_to(KERNELS_DIR.parent) if KERNELS_DIR.parent in path.resolve().parents else path
         return path.read_text(), str(shown)
     return str(source), f"your_{exercise.file}"
 

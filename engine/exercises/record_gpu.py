@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.exercises import ch03, ch04, ch05, ch07, ch11
+from engine.exercises import ch03, ch04, ch05, ch07, ch11, ch18
 from engine.exercises.cuda_check import SOLUTIONS_DIR
 from engine.exercises.recorded import RECORDED, as_worked_solution
 
@@ -37,6 +37,7 @@ CHECKERS = {
     "swiglu": ch07.check_swiglu_kernel,
     "kv_write": ch11.check_kv_write_kernel,
     "paged_attention": ch11.check_paged_attention_kernel,
+    "quant_gemv": ch18.check_quant_gemv_kernel,
 }
 
 

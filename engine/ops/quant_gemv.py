@@ -35,7 +35,9 @@ QGEMV_MAX_ROWS = 8    # rows of x per launch of the CUDA-core kernel
 QGEMV_WARPS = 8       # output rows per block: one warp each
 QGEMV_UNROLL = 4      # 16-byte chunks of a weight row in flight per lane
 QMMA_WARPS = 16       # most warps per block of the tensor-core kernel (they split K)
-QMMA_UNROLL = 2       # k-blocks of 16-byte loads in flight per lane (tensor-core kernel)
+QMMA_UNROLL = 4       # k-blocks of 16-byte loads in flight per lane (tensor-core kernel)
+QMMA_MIN_BLOCKS = 1   # resident blocks of QMMA_WARPS warps its registers leave room for (launch bounds)
+QMMA_STEPS = 2        # main-loop steps a warp keeps at least, when the launcher adds warps to split K
 QMMA_MAX_ROWS = 16    # rows of x the tensor-core kernel takes: two mma tiles of 8
 QMMA_TILE_N = 16      # output columns per block of the tensor-core kernel (the M of the mma)
 CHUNK_BYTES = 16      # the kernels' vector load
@@ -67,7 +69,7 @@ def _check_weight(qw: QuantizedWeight, what: str) -> tuple[int, int, int]:
 
 def _defines() -> dict[str, int]:
     return {"QGEMV_MAX_ROWS": QGEMV_MAX_ROWS, "QGEMV_WARPS": QGEMV_WARPS, "QGEMV_UNROLL": QGEMV_UNROLL,
-            "QMMA_WARPS": QMMA_WARPS, "QMMA_UNROLL": QMMA_UNROLL}
+            "QMMA_WARPS": QMMA_WARPS, "QMMA_UNROLL": QMMA_UNROLL, "QMMA_MIN_BLOCKS": QMMA_MIN_BLOCKS}
 
 
 def _chunked(x, qw: QuantizedWeight, ldx: int) -> bool:
@@ -108,7 +110,7 @@ def mma_geometry(N: int, K: int, bits: int, sms: int) -> tuple[int, int]:
     tiles = -(-N // QMMA_TILE_N)
     kblocks = -(-K // (4 * CHUNK_BYTES * 8 // bits))
     warps = 1
-    while warps < QMMA_WARPS and tiles * warps < WARPS_PER_SM * sms and kblocks >= 2 * warps * QMMA_UNROLL:
+    while warps < QMMA_WARPS and tiles * warps < WARPS_PER_SM * sms and kblocks >= QMMA_STEPS * warps * QMMA_UNROLL:
         warps *= 2
     return tiles, warps
 
