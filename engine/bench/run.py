@@ -261,8 +261,12 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
         hf = None        # a padded batch of 1,024 rows is not a peer for a 128-seat server
     for mode in modes:
         # "+sync": the host schedules one step at a time; "+nocache": no prefix caching; "+int8" / "+int4":
-        # the weights quantized on load (chapter 18; the floor below stays the bf16 weights')
+        # the weights quantized on load (chapter 18; the floor below stays the bf16 weights'); "+sampled":
+        # every request samples (temperature 0.8, top-k 50, top-p 0.95, seeded) instead of decoding greedily
         batching, kv, *flags = mode.split("+")
+        mode_params = params if "sampled" not in flags else [
+            SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.8, top_k=50, top_p=0.95, seed=i)
+            for i, n in enumerate(outs)]
         llm = LLM(model_dir, backend, batching=batching, kv_cache=kv, kv_cache_mib=args.kv_cache_mib,
                   max_context=args.max_len * 2 + 8, max_seqs=args.max_seqs, cuda_graphs=not args.no_graphs,
                   async_scheduling=False if "sync" in flags else None,
@@ -275,7 +279,7 @@ def scenario_serve(args, setup, model_dir, backend, hf, ceiling_gbps: float, ove
             llm.reset_prefix_cache()
         backend.synchronize()
         t = time.perf_counter()
-        results = llm.generate(prompts, params)
+        results = llm.generate(prompts, mode_params)
         backend.synchronize()
         sec = time.perf_counter() - t
         assert sum(len(r.token_ids) for r in results) == useful
@@ -481,9 +485,10 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-modes", nargs="+", default=["continuous+paged", "continuous+paged+nocache",
                                                           "continuous+paged+sync", "continuous+contiguous",
                                                           "static+contiguous"],
-                    help="batching+cache[+sync][+nocache][+spec][+int8|+int4]; +sync: no async scheduling (the host "
+                    help="batching+cache[+sync][+nocache][+spec][+int8|+int4][+sampled]; +sync: no async scheduling (the host "
                          "schedules between steps); +nocache: no prefix caching; +spec: n-gram speculation (k=4); "
-                         "+int8 / +int4: weights quantized on load (--group-size)")
+                         "+int8 / +int4: weights quantized on load (--group-size); +sampled: temperature 0.8, top-k 50, "
+                         "top-p 0.95")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--hf", action="store_true", help="measure transformers on the same weights in the same run")
     ap.add_argument("--oversub-requests", type=int, default=1024, help="requests of serve-oversubscribed")
