@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.backend import Backend, resolve_backend
-from engine.formats.config import ConfigError, LlamaConfig, check_serving_args, load_config
+from engine.formats.config import ConfigError, HybridConfig, LlamaConfig, check_serving_args, load_config
+from engine.model.hybrid_forward import hybrid_logits
+from engine.model.hybrid_weights import load_hybrid_weights
 from engine.model.kv_cache import KVCache
 from engine.model.weights import load_weights
 from engine.ops.argmax import argmax_rows
@@ -129,6 +131,15 @@ def check_vocab_fits(tokenizer, config: LlamaConfig) -> None:
                           "tokenizer.json does not belong to this model")
 
 
+def check_backend_runs(config: LlamaConfig, backend: Backend) -> None:
+    """ConfigError unless this backend runs every layer of the model."""
+    if backend.is_gpu and isinstance(config, HybridConfig):
+        raise ConfigError(f"{config.model_type}: the Gated DeltaNet layers run on the NumPy backend only "
+                          "(no CUDA kernels for them yet); load the model with backend='numpy'")
+    if backend.is_gpu:
+        check_gpu_shape(config)
+
+
 class Model:
     """A loaded Llama-family model on one backend."""
 
@@ -136,8 +147,7 @@ class Model:
 
     def __init__(self, config: LlamaConfig, weights, backend: Backend, max_context: int | None = None):
         check_serving_args(config, max_context=max_context)
-        if backend.is_gpu:
-            check_gpu_shape(config)
+        check_backend_runs(config, backend)
         self.config, self.weights, self.backend = config, weights, backend
         self.max_context = int(max_context) if max_context is not None else config.max_position_embeddings
         # RoPE tables cover the context in use: all of an explicit max_context (they never move, so a
@@ -195,6 +205,12 @@ class Model:
         cfg, w = self.config, self.weights
         if longest is not None:
             self._grow_rope(longest)                               # host int: no device traffic
+        if isinstance(cfg, HybridConfig):
+            if cache is not None:
+                raise ConfigError(f"{cfg.model_type}: a forward pass with a KV cache needs a per-request "
+                                  "recurrent state for the Gated DeltaNet layers, which the engine does not "
+                                  "keep yet; Model.logits (the full causal pass) is supported")
+            return hybrid_logits(cfg, w, ids, pos, np.asarray(cu_seqlens), self.cos, self.sin, logits_rows)
         attend = self._attention(cu_seqlens, pos, tables, seq_idx, longest)
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)
@@ -253,7 +269,8 @@ class Model:
 
 def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None,
                quantization: str | None = None, group_size: int | None = None) -> Model:
-    """Load a Llama, Qwen2 or Qwen3 model directory (config.json + safetensors) on the chosen backend.
+    """Load a Llama, Qwen2, Qwen3 or Qwen3.5 model directory (config.json + safetensors) on the chosen
+    backend (Qwen3.5: the NumPy backend, Model.logits only).
 
     quantization "int8" | "int4": every projection quantized on load (weight-only, `group_size` inputs
     per scale and zero point: by default 128, or the largest group below it that the model's sizes
@@ -262,4 +279,9 @@ def load_model(model_dir, backend: str | Backend = "auto", max_context: int | No
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     b = resolve_backend(backend)
+    if isinstance(config, HybridConfig):
+        if quantization is not None:
+            raise ConfigError(f"quantization={quantization!r} is not supported for {config.model_type} models")
+        check_backend_runs(config, b)              # before any weight is read
+        return Model(config, load_hybrid_weights(model_dir, config), b, max_context)
     return Model(config, load_weights(model_dir, config, b, quantization, group_size), b, max_context)

@@ -26,8 +26,9 @@ from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """[D/2] float32 inverse frequencies, with Llama 3 scaling when the config asks for it."""
-    D = config.head_dim
+    """[R/2] float32 inverse frequencies, with Llama 3 scaling when the config asks for it; R is the
+    rotary dimension (the whole head_dim except for Qwen3.5's partial rotary embeddings)."""
+    D = config.rotary_dim
     exponents = np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D                 # [D/2]
     inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
     rs = config.rope_scaling
