@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.backend import Backend
 from engine.checks import env_switch
-from engine.formats.config import LlamaConfig, check_serving_args
+from engine.formats.config import ConfigError, HybridConfig, LlamaConfig, check_serving_args
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.scheduler import ADMISSIONS, Scheduler
 from engine.runtime.speculative import SpeculativeConfig
@@ -23,6 +23,16 @@ KV_CACHES = ("paged", "contiguous")
 # model's whole context (131,072 for Llama 3.2) would leave room for a handful of sequences at most.
 DEFAULT_MAX_CONTEXT = 4096
 ASYNC_SWITCH = "ENGINE_ASYNC_SCHEDULING"     # "0" turns async scheduling off
+
+
+def check_servable(config: LlamaConfig) -> None:
+    """ConfigError unless the engine's runtime (cache, scheduler, batching) can serve this model."""
+    if isinstance(config, HybridConfig):
+        raise ConfigError(
+            f"engine.LLM cannot serve {config.model_type} models yet: their Gated DeltaNet layers need a "
+            "per-request recurrent state (a conv state and a delta-rule state per layer) kept beside the paged "
+            "KV cache, which the engine's runtime does not have; engine.load_model(dir, backend='numpy')"
+            ".logits(token_ids) runs the full causal pass")
 
 
 def default_async_scheduling(backend: Backend, scheduler_cls: type) -> bool:
@@ -70,6 +80,7 @@ class EngineConfig:
               cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
               prefix_caching: bool | None = None, scheduler_cls: type[Scheduler] = Scheduler,
               allocator_cls: type[PageAllocator] = PageAllocator, speculative=None) -> EngineConfig:
+        check_servable(config)
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
             if not isinstance(value, str) or value not in choices:
