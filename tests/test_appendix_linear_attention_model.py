@@ -19,8 +19,8 @@ from engine.formats.safetensors import load_file, save_file
 from engine.model import hybrid_forward
 from engine.model.forward_pass import ForwardBatch, Model, check_backend_runs, load_model
 from engine.model.hybrid_weights import GatedAttentionLayer, LinearAttentionLayer
+from engine.model.kv_cache import KVCache
 from engine.model.random_model import write_random_model
-from engine.runtime.llm import LLM
 
 INDEX = json.loads((FIXTURES / "qwen3_5_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
@@ -157,15 +157,14 @@ def test_logits_are_causal_and_packed_sequences_independent(rebuilt):
 
 def test_what_is_not_supported_is_refused(rebuilt):
     model_dir, _, _ = rebuilt("tiny-qwen3.5")
-    with pytest.raises(ConfigError, match="recurrent state"):
-        LLM(model_dir, backend="numpy")
     with pytest.raises(ConfigError, match="NumPy backend only"):
         check_backend_runs(load_model(model_dir, backend="numpy").config, SimpleNamespace(is_gpu=True))
     with pytest.raises(ConfigError, match="quantization"):
         load_model(model_dir, backend="numpy", quantization="int8")
     model = load_model(model_dir, backend="numpy")
-    with pytest.raises(ConfigError, match="recurrent state"):
-        model.run(np.array([1], np.int32), np.array([0], np.int32), np.array([0, 1], np.int32), cache=object())
+    cache = KVCache.paged(model.config, 1.0, 4)
+    with pytest.raises(ValueError, match="recurrent state"):
+        model.forward(ForwardBatch.single([1, 2], page_table=[0], page_size=4), cache)
 
 
 HOSTILE = {

@@ -108,9 +108,14 @@ class LlamaConfig(ModelShape):
         """How many leading dimensions of each q and k head RoPE rotates (all of them here)."""
         return self.head_dim
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep K and V per token in the cache (all of them here)."""
+        return self.num_hidden_layers
+
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """K and V of one token across all layers (Llama-3.2-1B in bf16: 32 KiB)."""
-        return 2 * self.num_hidden_layers * self.kv_dim * bytes_per_value
+        return 2 * self.kv_layers * self.kv_dim * bytes_per_value
 
     def num_parameters(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
@@ -178,9 +183,10 @@ class HybridConfig(LlamaConfig):
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
-    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+    @property
+    def kv_layers(self) -> int:
         """Only the full-attention layers keep K and V per token; a linear layer's state has a fixed size."""
-        return 2 * len(self.full_attention_layers) * self.kv_dim * bytes_per_value
+        return len(self.full_attention_layers)
 
     def num_parameters(self) -> int:
         h, i = self.hidden_size, self.intermediate_size

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.backend import Backend
 from engine.checks import env_switch
-from engine.formats.config import ConfigError, HybridConfig, LlamaConfig, check_serving_args
+from engine.formats.config import HybridConfig, LlamaConfig, check_serving_args
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.scheduler import ADMISSIONS, Scheduler
 from engine.runtime.speculative import SpeculativeConfig
@@ -25,14 +25,18 @@ DEFAULT_MAX_CONTEXT = 4096
 ASYNC_SWITCH = "ENGINE_ASYNC_SCHEDULING"     # "0" turns async scheduling off
 
 
-def check_servable(config: LlamaConfig) -> None:
-    """ConfigError unless the engine's runtime (cache, scheduler, batching) can serve this model."""
-    if isinstance(config, HybridConfig):
-        raise ConfigError(
-            f"engine.LLM cannot serve {config.model_type} models yet: their Gated DeltaNet layers need a "
-            "per-request recurrent state (a conv state and a delta-rule state per layer) kept beside the paged "
-            "KV cache, which the engine's runtime does not have; engine.load_model(dir, backend='numpy')"
-            ".logits(token_ids) runs the full causal pass")
+def check_hybrid_settings(config: LlamaConfig, prefix_caching, async_scheduling, speculative) -> None:
+    """ValueError naming the setting that a hybrid model (Qwen3.5) cannot run with."""
+    if not isinstance(config, HybridConfig):
+        return
+    if prefix_caching:
+        raise ValueError(f"prefix_caching=True cannot serve {config.model_type} models: a cached page restores the "
+                         "K/V of its tokens, but not the recurrent state the Gated DeltaNet layers had reached there")
+    if async_scheduling:
+        raise ValueError(f"async_scheduling=True is not supported for {config.model_type} models yet")
+    if speculative is not None:
+        raise ValueError(f"speculative decoding is not supported for {config.model_type} models: rejected tokens "
+                         "would have to be taken back out of the recurrent state")
 
 
 def default_async_scheduling(backend: Backend, scheduler_cls: type) -> bool:
@@ -80,7 +84,6 @@ class EngineConfig:
               cuda_graphs: bool | None = None, async_scheduling: bool | None = None,
               prefix_caching: bool | None = None, scheduler_cls: type[Scheduler] = Scheduler,
               allocator_cls: type[PageAllocator] = PageAllocator, speculative=None) -> EngineConfig:
-        check_servable(config)
         for name, value, choices in (("batching", batching, BATCHING), ("kv_cache", kv_cache, KV_CACHES),
                                      ("admission", admission, ADMISSIONS)):
             if not isinstance(value, str) or value not in choices:
@@ -98,6 +101,8 @@ class EngineConfig:
                              "and a contiguous slot is one page as long as the whole context")
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                            page_size=page_size, kv_cache_mib=kv_cache_mib)
+        check_hybrid_settings(config, prefix_caching, async_scheduling, speculative)
+        hybrid = isinstance(config, HybridConfig)
         spec = SpeculativeConfig.parse(speculative)
         if spec is not None and (batching != "continuous" or scheduler_cls is not Scheduler):
             raise ValueError("speculative decoding needs continuous batching and the engine's own Scheduler")
@@ -108,11 +113,11 @@ class EngineConfig:
                    default_max_context(config.max_position_embeddings, kv_cache),
                    max_seqs=seqs, max_batch_tokens=max(budget, seqs), page_size=int(page_size),
                    chunked_prefill=chunked_prefill, cuda_graphs=cuda_graphs,
-                   async_scheduling=(default_async_scheduling(backend, scheduler_cls) if async_scheduling is None
-                                     else async_scheduling),
+                   async_scheduling=(default_async_scheduling(backend, scheduler_cls) and not hybrid
+                                     if async_scheduling is None else async_scheduling),
                    kv_cache_mib=None if kv_cache_mib is None else float(kv_cache_mib),
-                   prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler) if prefix_caching is None
-                   else prefix_caching,
+                   prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler and not hybrid)
+                   if prefix_caching is None else prefix_caching,
                    scheduler_cls=scheduler_cls, allocator_cls=allocator_cls, speculative=spec)
 
     def new_scheduler(self, num_pages: int, eos_token_ids: set[int], first_request_id: int = 0, *,

@@ -28,7 +28,6 @@ import threading
 from pathlib import Path
 
 from engine.formats.config import load_config
-from engine.runtime.engine_config import check_servable
 from engine.runtime.request import HandleHub, RequestHandle, RequestOutput, prepare_prompt, warn_sessions_gone
 from engine.runtime.sampling_params import SamplingParams
 from engine.text.tokenizer import load_tokenizer
@@ -53,9 +52,7 @@ class RemoteLLM:
     def __init__(self, model_dir, backend: str = "auto", **llm_kwargs):
         model_dir = Path(model_dir)
         # before the child starts: a bad file fails here
-        config = load_config(model_dir)
-        check_servable(config)
-        self.vocab_size = config.vocab_size
+        self.vocab_size = load_config(model_dir).vocab_size
         self.tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self._start_args = (str(model_dir), backend, llm_kwargs)
         self.hub = HandleHub()                     # what RequestHandles wait on (as in EngineLoop)
