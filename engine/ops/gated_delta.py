@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.backend import load_kernel
 from engine.ops.swiglu import silu
 
 L2_EPS = 1e-6     # transformers' (and the FLA library's) l2norm: x / sqrt(sum(x^2) + eps)
@@ -193,3 +194,70 @@ def gated_delta_chunked_ref(q, k, v, g, beta, state=None, chunk_size: int = 64
         out[n] = Q_decayed[n] @ S + intra[n] @ v_new
         S = S * np.exp(G[n, :, -1])[:, None, None] + K_to_end[n].swapaxes(-1, -2) @ v_new
     return out.swapaxes(1, 2).reshape(N * C, Hv, -1)[:T], S.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernels (kernels_cu/gated_delta.cu) on CuPy arrays, float32. A batch of S packed sequences
+# (cu_seqlens [S + 1] on the host) and each sequence's slot (slots [S] int32 on the device) in a pool
+# of states, updated in place: conv_pool [slots, K-1, C], delta_pool [slots, Hv, Dk, Dv].
+
+GPU_MAX_HEAD_DIM = 128      # kernels_cu/gated_delta.cu: GDN_MAX_D (shared-memory tiles of that width)
+GPU_MAX_CONV_WIDTH = 8      # CONV_MAX_K (the window lives in registers)
+GDN_THREADS = 128           # threads per block of the conv and delta kernels (4 warps)
+
+
+def _sequences(cu_seqlens) -> int:
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 1):
+        raise GatedDeltaShapeError(f"cu_seqlens must start at 0 and give every sequence at least one token, got {cu}")
+    return int(cu.size - 1)
+
+
+def gates_gpu(proj, a_col: int, b_col: int, A_log, dt_bias):
+    """proj [T, ld] fp32 (a at columns a_col.., b at b_col..) -> (g, beta) [T, Hv], as decay_log and sigmoid."""
+    import cupy as cp
+    T, Hv = proj.shape[0], A_log.shape[0]
+    g, beta = cp.empty((T, Hv), cp.float32), cp.empty((T, Hv), cp.float32)
+    if T:
+        load_kernel("gated_delta", "gdn_gates")((min(-(-T * Hv // 256), 65535),), (256,),
+                                                (proj, np.int64(proj.strides[0] // 4), np.int32(a_col), np.int32(b_col),
+                                                 A_log, dt_bias, g, beta, np.int32(T), np.int32(Hv)))
+    return g, beta
+
+
+def causal_conv1d_gpu(x, weight, conv_pool, slots, cu_seqlens):
+    """x [T, ld] fp32 whose first C columns are the channels, weight [C, K] -> silu(conv) [T, C]; each
+    sequence continues from its slot of conv_pool [slots, K-1, C] and leaves its last K-1 inputs there."""
+    import cupy as cp
+    C, K = weight.shape
+    if K > GPU_MAX_CONV_WIDTH or conv_pool.shape[1:] != (K - 1, C) or x.shape[1] < C:
+        raise GatedDeltaShapeError(f"causal_conv1d_gpu: x {x.shape}, weight {weight.shape}, conv_pool "
+                                   f"{conv_pool.shape} do not fit (K <= {GPU_MAX_CONV_WIDTH})")
+    S = _sequences(cu_seqlens)
+    out = cp.empty((x.shape[0], C), cp.float32)
+    cu = cp.asarray(np.asarray(cu_seqlens, dtype=np.int32))
+    load_kernel("gated_delta", "causal_conv1d_silu")((-(-C // GDN_THREADS), S), (GDN_THREADS,),
+                                                     (x, np.int64(x.strides[0] // 4), weight, conv_pool, conv_pool,
+                                                      slots, cu, out, np.int32(C), np.int32(K)))
+    return out
+
+
+def gated_delta_gpu(qkv, heads: tuple[int, int, int, int], g, beta, delta_pool, slots, cu_seqlens,
+                    chunked: bool = True):
+    """qkv [T, ld] fp32 (q heads, k heads, v heads: the conv's output), heads = (Hk, Hv, Dk, Dv),
+    g, beta [T, Hv] -> o [T, Hv * Dv]; each sequence continues from its slot of delta_pool
+    [slots, Hv, Dk, Dv] and leaves its state there. chunked: the prefill kernel; else token by token
+    (decode)."""
+    import cupy as cp
+    Hk, Hv, Dk, Dv = heads
+    if max(Dk, Dv) > GPU_MAX_HEAD_DIM or Hv % Hk or delta_pool.shape[1:] != (Hv, Dk, Dv):
+        raise GatedDeltaShapeError(f"gated_delta_gpu: heads {heads}, delta_pool {delta_pool.shape} do not fit "
+                                   f"(Dk, Dv <= {GPU_MAX_HEAD_DIM}; Hv a multiple of Hk)")
+    S = _sequences(cu_seqlens)
+    out = cp.empty((qkv.shape[0], Hv * Dv), cp.float32)
+    cu = cp.asarray(np.asarray(cu_seqlens, dtype=np.int32))
+    name = "gated_delta_chunked" if chunked else "gated_delta_recurrent"
+    load_kernel("gated_delta", name)((Hv, S), (GDN_THREADS,),
+                                     (qkv, np.int64(qkv.strides[0] // 4), g, beta, delta_pool, delta_pool, slots, cu,
+                                      out, np.int32(Hk), np.int32(Hv), np.int32(Dk), np.int32(Dv)))
+    return out
