@@ -34,6 +34,7 @@ from engine.ops.linear import linear
 from engine.ops.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
 from engine.ops.rope import rope_ref
 from engine.ops.swiglu import swiglu
+from engine.plugins import OVERRIDES, PluginError, checked_result
 
 CHUNK_SIZE = 64       # tokens per chunk of the chunked delta rule (transformers' and FLA's default)
 
@@ -61,6 +62,20 @@ class RecurrentState:
         return sum(a.nbytes for a in self.conv + self.delta)
 
 
+def delta_rule(q, k, v, g, beta, state) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule of one sequence: the recurrent step for a decode token, the chunked form for a
+    prompt or a chunk of one; or the learner's function (engine.use_stage("gated_delta", fn))."""
+    plug = OVERRIDES.get("gated_delta")
+    if plug is not None:
+        result = plug.require_function()(q, k, v, g, beta, state.copy())
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise PluginError("your gated_delta must return a pair (o [T, Hv, Dv], the new state [Hv, Dk, Dv])")
+        return checked_result("gated_delta", result[0], v.shape), checked_result("gated_delta", result[1], state.shape)
+    if q.shape[0] == 1:
+        return gated_delta_recurrent_ref(q, k, v, g, beta, state)
+    return gated_delta_chunked_ref(q, k, v, g, beta, state, chunk_size=CHUNK_SIZE)
+
+
 def linear_attention(h: np.ndarray, lw: LinearAttentionLayer, cfg: HybridConfig, cu_seqlens: np.ndarray,
                      layer: int, states: list[RecurrentState]) -> np.ndarray:
     """h [T, H] (normalised) -> the Gated DeltaNet mixer's output [T, H]. Sequence s continues from
@@ -79,10 +94,7 @@ def linear_attention(h: np.ndarray, lw: LinearAttentionLayer, cfg: HybridConfig,
         q, k, v = np.split(conv, [Hk * Dk, 2 * Hk * Dk], axis=1)
         args = (q.reshape(-1, Hk, Dk), k.reshape(-1, Hk, Dk), v.reshape(-1, Hv, Dv), g[s0:s1], beta[s0:s1],
                 state.delta[layer])
-        if s1 - s0 == 1:                                               # a decode token: one recurrent step
-            out[s0:s1], state.delta[layer] = gated_delta_recurrent_ref(*args)
-        else:                                                          # a prompt, or a chunk of one
-            out[s0:s1], state.delta[layer] = gated_delta_chunked_ref(*args, chunk_size=CHUNK_SIZE)
+        out[s0:s1], state.delta[layer] = delta_rule(*args)
     gated = gated_rmsnorm_ref(out, z.reshape(T, Hv, Dv), lw.norm, cfg.rms_norm_eps)
     return linear(gated.reshape(T, Vd), lw.out)
 

@@ -141,7 +141,7 @@ def gated_delta_recurrent_ref(q, k, v, g, beta, state=None) -> tuple[np.ndarray,
 # ---------------------------------------------------------------------------------------------
 # The chunked form: the same numbers, mostly matrix products (prefill)
 
-def _solve_unit_lower(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+def solve_unit_lower(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     """X with (I + A) X = B for strictly lower-triangular A [..., C, C], B [..., C, D]: forward
     substitution, one row per step (row i needs rows < i), every chunk and head at once."""
     X = B.copy()
@@ -183,7 +183,7 @@ def gated_delta_chunked_ref(q, k, v, g, beta, state=None, chunk_size: int = 64
     causal = np.tril(np.ones((C, C), dtype=bool))               # j <= i
     decay = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))   # [N, Hv, C, C]
     A = np.where(np.tril(causal, -1), (B[..., None] * K) @ K.swapaxes(-1, -2) * decay, 0.0)
-    U = _solve_unit_lower(A, np.concatenate([B[..., None] * V, B[..., None] * K * np.exp(G)[..., None]], -1))
+    U = solve_unit_lower(A, np.concatenate([B[..., None] * V, B[..., None] * K * np.exp(G)[..., None]], -1))
     U, W = U[..., :V.shape[-1]], U[..., V.shape[-1]:]          # [N, Hv, C, Dv], [N, Hv, C, Dk]
     intra = (Q @ K.swapaxes(-1, -2)) * decay                    # [N, Hv, C, C] within-chunk attention
     Q_decayed = Q * np.exp(G)[..., None]
