@@ -2,7 +2,8 @@
 layers' K/V, a recurrent state per request carries the Gated DeltaNet layers (engine/runtime/
 recurrent_states.py). Every path gives the no-cache oracle's greedy tokens: continuous and static
 batching, paged and contiguous caches, chunked prefill (the state carried from chunk to chunk),
-preemption (the state recomputed), requests arriving between steps; and transformers' generate."""
+preemption (the state recomputed), async scheduling, requests arriving between steps; and
+transformers' generate."""
 import json
 
 import numpy as np
@@ -75,9 +76,10 @@ def outputs(results):
     return [(r.token_ids, r.finish_reason) for r in results]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("batching,kv_cache,kwargs", PATHS, ids=[f"{b}-{k}-{i}" for i, (b, k, _) in enumerate(PATHS)])
-def test_llm_generate_equals_no_cache(workload, batching, kv_cache, kwargs):
-    llm = workload.llm(batching, kv_cache, **kwargs)
+def test_llm_generate_equals_no_cache(workload, batching, kv_cache, kwargs, async_scheduling):
+    llm = workload.llm(batching, kv_cache, async_scheduling=async_scheduling, **kwargs)
     assert outputs(llm.generate(workload.prompts, workload.params)) == workload.expected
     assert len(llm.runner.recurrent) == 0                               # every request's state was dropped
     if llm.max_batch_tokens < max(map(len, workload.prompts)):          # chunked, and it shows
@@ -93,6 +95,10 @@ def test_preemption_recomputes_the_state(workload, batching, kv_cache, kwargs):
     log = llm.last_step_log
     assert any(entry["preempted"] for entry in log), "the pool was meant to force preemption"
     assert sum(entry["recomputed_tokens"] for entry in log) > 0
+    assert len(llm.runner.recurrent) == 0
+    # async scheduling: the next batch launched before this one completes, the same tokens
+    overlapped = workload.llm(batching, kv_cache, async_scheduling=True, **kwargs)
+    assert outputs(overlapped.generate(workload.prompts, workload.params)) == workload.expected
 
 
 def test_requests_arriving_between_steps(workload):
@@ -127,12 +133,11 @@ def test_the_cache_holds_only_full_attention_layers(workload):
     llm = workload.llm("continuous", "paged")
     config = llm.config
     assert llm.cache.k.shape[0] == len(config.full_attention_layers) == 2 < config.num_hidden_layers
-    assert llm.prefix_caching is False and llm.async_scheduling is False
+    assert llm.prefix_caching is False
 
 
 @pytest.mark.parametrize("setting,message", [
     (dict(prefix_caching=True), "prefix_caching"),
-    (dict(async_scheduling=True), "async_scheduling"),
     (dict(speculative={"method": "ngram", "num_tokens": 3}), "speculative"),
 ])
 def test_settings_that_cannot_apply_are_refused(workload, setting, message):

@@ -25,15 +25,13 @@ DEFAULT_MAX_CONTEXT = 4096
 ASYNC_SWITCH = "ENGINE_ASYNC_SCHEDULING"     # "0" turns async scheduling off
 
 
-def check_hybrid_settings(config: LlamaConfig, prefix_caching, async_scheduling, speculative) -> None:
+def check_hybrid_settings(config: LlamaConfig, prefix_caching, speculative) -> None:
     """ValueError naming the setting that a hybrid model (Qwen3.5) cannot run with."""
     if not isinstance(config, HybridConfig):
         return
     if prefix_caching:
         raise ValueError(f"prefix_caching=True cannot serve {config.model_type} models: a cached page restores the "
                          "K/V of its tokens, but not the recurrent state the Gated DeltaNet layers had reached there")
-    if async_scheduling:
-        raise ValueError(f"async_scheduling=True is not supported for {config.model_type} models yet")
     if speculative is not None:
         raise ValueError(f"speculative decoding is not supported for {config.model_type} models: rejected tokens "
                          "would have to be taken back out of the recurrent state")
@@ -101,7 +99,7 @@ class EngineConfig:
                              "and a contiguous slot is one page as long as the whole context")
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                            page_size=page_size, kv_cache_mib=kv_cache_mib)
-        check_hybrid_settings(config, prefix_caching, async_scheduling, speculative)
+        check_hybrid_settings(config, prefix_caching, speculative)
         hybrid = isinstance(config, HybridConfig)
         spec = SpeculativeConfig.parse(speculative)
         if spec is not None and (batching != "continuous" or scheduler_cls is not Scheduler):
@@ -113,8 +111,8 @@ class EngineConfig:
                    default_max_context(config.max_position_embeddings, kv_cache),
                    max_seqs=seqs, max_batch_tokens=max(budget, seqs), page_size=int(page_size),
                    chunked_prefill=chunked_prefill, cuda_graphs=cuda_graphs,
-                   async_scheduling=(default_async_scheduling(backend, scheduler_cls) and not hybrid
-                                     if async_scheduling is None else async_scheduling),
+                   async_scheduling=(default_async_scheduling(backend, scheduler_cls) if async_scheduling is None
+                                     else async_scheduling),
                    kv_cache_mib=None if kv_cache_mib is None else float(kv_cache_mib),
                    prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler and not hybrid)
                    if prefix_caching is None else prefix_caching,

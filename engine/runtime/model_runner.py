@@ -316,8 +316,7 @@ class ModelRunner:
         """Hand the sampled tokens to the scheduler. A step's `seconds` run from its launch, or from the
         previous completion when steps overlap, so that the seconds of a log add up to its wall time."""
         out = sched.complete(launched.batch.batch_id, tokens)
-        if self.recurrent is not None:     # preempted requests recompute their state; ended ones need none
-            self.recurrent.release(out.preempted)
+        if self.recurrent is not None:     # ended requests need their state no more
             self.recurrent.keep_live(sched.is_live)
         out.logprobs = launched.token_logprobs()
         now = time.perf_counter()

@@ -10,13 +10,16 @@ hands each row of a batch its request's state; the forward pass updates it in pl
     rather than saving it, exactly as it recomputes the request's K/V;
   * any other row (a later chunk of a prompt, a decode token) continues its request's state, which
     must have taken in exactly the tokens before the row: anything else is a bug and raises;
-  * the state of a request that finished, was cancelled or was preempted is dropped.
+  * the state of a request that finished, failed or was cancelled is dropped after the step that saw it
+    end; a preempted request keeps its (stale) state until it comes back at position 0. So with async
+    scheduling, where the next batch is launched before this one completes, no state a launched row
+    continues is ever dropped under it.
 Prefix caching cannot apply: a cached page restores K/V, but no page holds what the linear layers
 had accumulated at its end, so hybrid models run without it (engine/runtime/engine_config.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from engine.formats.config import HybridConfig
 from engine.model.hybrid_forward import RecurrentState
@@ -43,13 +46,10 @@ class RecurrentStates:
             out.append(state)
         return out
 
-    def release(self, request_ids: Iterable[int]) -> None:
-        for request_id in request_ids:
-            self._states.pop(request_id, None)
-
     def keep_live(self, is_live: Callable[[int], bool]) -> None:
         """Drop the states of requests that ended (finished, cancelled, failed)."""
-        self.release([r for r in self._states if not is_live(r)])
+        for request_id in [r for r in self._states if not is_live(r)]:
+            del self._states[request_id]
 
     def clear(self) -> None:
         self._states.clear()
