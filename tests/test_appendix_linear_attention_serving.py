@@ -223,3 +223,35 @@ def test_the_servers_engine_process_and_the_chat_serve_it(hybrid_chat_dir):
     fresh.conversation.messages = list(chat.messages[:2])
     fresh.answer("And of Italy?", out=io.StringIO())
     assert fresh.messages[-1] == chat.messages[-1]
+
+
+def test_a_failed_pass_leaves_the_states_as_they_were(workload, monkeypatch):
+    """The scheduler undoes a failed step (sched.fail) and the same rows run again: their states must
+    not have moved. A pass that raises in its last layer changes no state; the retry gives the oracle's
+    tokens."""
+    from engine.model import hybrid_forward
+    llm = workload.llm("continuous", "paged", max_seqs=3)
+    sched = llm.new_scheduler()
+    ids = {sched.submit(p, sp): i for i, (p, sp) in enumerate(zip(workload.prompts[:3], workload.params[:3]))}
+    llm.step(sched, {rid: 0 for rid in ids})                                     # the prefills
+    before = {rid: (s.tokens, [a.copy() for a in s.conv + s.delta]) for rid, s in llm.runner.recurrent._states.items()}
+    real, calls = hybrid_forward.gated_attention, []
+
+    def fails_in_the_last_layer(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == len(llm.config.full_attention_layers):
+            raise RuntimeError("simulated device error")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(hybrid_forward, "gated_attention", fails_in_the_last_layer)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.step(sched, {rid: 0 for rid in ids})
+    monkeypatch.setattr(hybrid_forward, "gated_attention", real)
+    for rid, (tokens, arrays) in before.items():
+        state = llm.runner.recurrent._states[rid]
+        assert state.tokens == tokens
+        assert all(np.array_equal(a, b) for a, b in zip(state.conv + state.delta, arrays, strict=True))
+    results = {}
+    while sched.has_unfinished():
+        out = llm.step(sched, {rid: 0 for rid in ids})
+        results.update((ids[r.request_id], (r.token_ids, r.finish_reason)) for r in out.finished)
+    assert [results[i] for i in range(3)] == workload.expected[:3]

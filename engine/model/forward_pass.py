@@ -136,8 +136,9 @@ def check_vocab_fits(tokenizer, config: LlamaConfig) -> None:
 def check_backend_runs(config: LlamaConfig, backend: Backend) -> None:
     """ConfigError unless this backend runs every layer of the model."""
     if backend.is_gpu and isinstance(config, HybridConfig):
-        raise ConfigError(f"{config.model_type}: the Gated DeltaNet layers run on the NumPy backend only "
-                          "(no CUDA kernels for them yet); load the model with backend='numpy'")
+        raise ConfigError(f"{config.model_type}: the model runs on the NumPy backend only (the Gated DeltaNet "
+                          "kernels of kernels_cu/gated_delta.cu are not wired into its forward pass yet); "
+                          "load it with backend='numpy'")
     if backend.is_gpu:
         check_gpu_shape(config)
 

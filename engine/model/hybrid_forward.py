@@ -125,12 +125,15 @@ def hybrid_logits(cfg: HybridConfig, weights, ids: np.ndarray, pos: np.ndarray, 
     recurrent state (None: fresh sequences, states thrown away after the pass)."""
     if states is None:
         states = [RecurrentState.empty(cfg) for _ in range(len(cu_seqlens) - 1)]
+    # the layers replace a state's arrays (never write into them) in working copies, committed once the
+    # whole pass has run: a pass that fails leaves every request's state as it was
+    work = [RecurrentState(list(s.conv), list(s.delta), s.tokens) for s in states]
     x = embedding(ids, weights.embed)                                  # [T, H] residual stream
     h = rmsnorm(x, weights.layers[0].input_norm, cfg.rms_norm_eps)
     full = linear_index = 0
     for i, lw in enumerate(weights.layers):
         if isinstance(lw, LinearAttentionLayer):
-            mixed = linear_attention(h, lw, cfg, cu_seqlens, linear_index, states)
+            mixed = linear_attention(h, lw, cfg, cu_seqlens, linear_index, work)
             linear_index += 1
         else:
             kc, vc = cache.layer(full) if cache is not None else (None, None)   # the cache holds full layers only
@@ -140,8 +143,8 @@ def hybrid_logits(cfg: HybridConfig, weights, ids: np.ndarray, pos: np.ndarray, 
         down = linear(swiglu(linear(h, lw.gate_up)), lw.down)
         next_norm = weights.layers[i + 1].input_norm if i + 1 < len(weights.layers) else weights.norm
         h = add_rmsnorm(x, down, next_norm, cfg.rms_norm_eps)
-    for s, n in enumerate(np.diff(cu_seqlens)):
-        states[s].tokens += int(n)
+    for state, done, n in zip(states, work, np.diff(cu_seqlens), strict=True):
+        state.conv, state.delta, state.tokens = done.conv, done.delta, done.tokens + int(n)
     if logits_rows is not None:
         h = h[logits_rows]
     return linear(h, weights.lm_head)
