@@ -66,7 +66,8 @@ STAGES: dict[str, Stage] = {
     "rope": Stage(
         "fn(x [T, n_heads, D] float32, positions [T] int32, cos [P, D/2], sin [P, D/2]) -> [T, n_heads, D]; "
         "called once per layer on the q and k heads together (n_heads = Hq + Hkv); on Qwen models the "
-        "q/k/v bias and q/k norm are applied before your function is called",
+        "q/k/v bias and q/k norm are applied before your function is called; on Qwen3.5 (partial rotary) x "
+        "holds the first rotary_dim dimensions of each head and the tables rotary_dim / 2 columns",
         "rope_qkv<<<T, 256>>>(const float* qkv, const int* positions, const float* cos, const float* sin, "
         "bf16* out, int n_rotated = Hq + Hkv, int n_heads = Hq + 2 Hkv, int D): rotates q and k, copies v "
         "(on Qwen models it receives qkv with the bias added and q/k normalized)",

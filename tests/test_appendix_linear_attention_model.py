@@ -231,3 +231,20 @@ def test_parameter_count_matches_transformers(rebuilt):
         if hf.config.tie_word_embeddings:
             assert hf.lm_head.weight is hf.model.embed_tokens.weight
         assert load_model(model_dir, backend="numpy").config.num_parameters() == count, name
+
+
+def test_a_rope_override_rotates_the_partial_dimensions(rebuilt):
+    """A learner's rope stage runs in Qwen3.5's full-attention layers too, on the rotated dimensions only."""
+    import engine
+    from engine.ops.rope import rope_ref
+    model_dir, ids, ref = rebuilt("tiny-qwen3.5-mqa-untied")
+    model = load_model(model_dir, backend="numpy")
+    shapes = []
+
+    def counted(x, positions, cos, sin):
+        shapes.append(x.shape)
+        return rope_ref(x, positions, cos, sin)
+    with engine.use_stage("rope", counted):
+        check_logits(model.logits(ids.tolist()), ref, "through a rope override")
+    cfg = model.config
+    assert shapes == [(len(ids), cfg.num_attention_heads + cfg.num_key_value_heads, cfg.rotary_dim)] * 2

@@ -32,7 +32,7 @@ from engine.ops.gated_delta import (
 from engine.ops.kv_write import kv_write
 from engine.ops.linear import linear
 from engine.ops.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
-from engine.ops.rope import rope_ref
+from engine.ops.rope import rope_leading
 from engine.ops.swiglu import swiglu
 from engine.plugins import OVERRIDES, PluginError, checked_result
 
@@ -104,14 +104,13 @@ def gated_attention(h: np.ndarray, lw: GatedAttentionLayer, cfg: HybridConfig, p
     """h [T, H] -> the full-attention mixer's output [T, H]: q/k norms, partial RoPE, the batch's K/V
     written to the cache at `slots` (with a cache), causal GQA (attend), the output gate."""
     T = h.shape[0]
-    Hq, Hkv, D, r = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkvg = linear(h, lw.qkvg)                                          # [T, 2 Hq D + 2 Hkv D]
     q, k, v, gate = np.split(qkvg, [cfg.q_dim, cfg.q_dim + cfg.kv_dim, cfg.q_dim + 2 * cfg.kv_dim], axis=1)
-    q = rmsnorm_ref(q.reshape(T, Hq, D), lw.q_norm, cfg.rms_norm_eps)
-    k = rmsnorm_ref(k.reshape(T, Hkv, D), lw.k_norm, cfg.rms_norm_eps)
-    q[..., :r] = rope_ref(q[..., :r], pos, cos, sin)                   # the other D - r dims pass through
-    k[..., :r] = rope_ref(k[..., :r], pos, cos, sin)
-    qkv = np.concatenate([q.reshape(T, -1), k.reshape(T, -1), v], axis=1)   # the dense layers' layout
+    qk = np.concatenate([rmsnorm_ref(q.reshape(T, Hq, D), lw.q_norm, cfg.rms_norm_eps),
+                         rmsnorm_ref(k.reshape(T, Hkv, D), lw.k_norm, cfg.rms_norm_eps)], axis=1)   # [T, Hq + Hkv, D]
+    qk = rope_leading(qk, pos, cos, sin)                               # the first rotary_dim dims of each head
+    qkv = np.concatenate([qk.reshape(T, -1), v], axis=1)              # the dense layers' layout: q | k | v
     if k_cache is not None:
         kv_write(qkv, slots, k_cache, v_cache, cfg)
     return linear(attend(qkv, k_cache, v_cache) * sigmoid(gate), lw.o)

@@ -64,6 +64,20 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndar
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def rope_leading(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, n_heads, D] (NumPy) -> a copy with the first R = 2 * cos.shape[1] dimensions of each head
+    rotated and the other D - R passed through (Qwen3.5's partial rotary embeddings; R = D is the
+    ordinary RoPE). A learner's rope override, when one is active, does the rotation."""
+    R = 2 * cos.shape[1]
+    part = x[..., :R]
+    plug = OVERRIDES.get("rope")
+    if plug is not None:
+        rotated = checked_result("rope", plug.require_function()(part.copy(), positions, cos, sin), part.shape)
+    else:
+        rotated = rope_ref(part, positions, cos, sin)
+    return np.concatenate([rotated, x[..., R:]], axis=-1)
+
+
 def qkv_bias_norm_ref(qkv, bias, q_norm, k_norm, config: LlamaConfig):
     """[T, (Hq + 2 Hkv) * D] -> a copy with the bias added (Qwen2) and each q and k head RMS-normalized
     (Qwen3), as transformers does before RoPE. Works on NumPy and CuPy arrays alike."""
