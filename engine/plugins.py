@@ -66,7 +66,8 @@ STAGES: dict[str, Stage] = {
     "rope": Stage(
         "fn(x [T, n_heads, D] float32, positions [T] int32, cos [P, D/2], sin [P, D/2]) -> [T, n_heads, D]; "
         "called once per layer on the q and k heads together (n_heads = Hq + Hkv); on Qwen models the "
-        "q/k/v bias and q/k norm are applied before your function is called",
+        "q/k/v bias and q/k norm are applied before your function is called; on Qwen3.5 (partial rotary) x "
+        "holds the first rotary_dim dimensions of each head and the tables rotary_dim / 2 columns",
         "rope_qkv<<<T, 256>>>(const float* qkv, const int* positions, const float* cos, const float* sin, "
         "bf16* out, int n_rotated = Hq + Hkv, int n_heads = Hq + 2 Hkv, int D): rotates q and k, copies v "
         "(on Qwen models it receives qkv with the bias added and q/k normalized)",
@@ -112,6 +113,16 @@ STAGES: dict[str, Stage] = {
         "paged_attention<<<(R, Hkv, 1), 32 * NWARPS>>>(same arguments as kernels_cu/paged_attention.cu), "
         "compiled with -DHEAD_DIM=D -DGROUP=Hq/Hkv -DNWARPS=4 and launched with splits = 1 (no merge kernel)",
         ("paged_attention", "paged_attention"), "HEAD_DIM, GROUP, NWARPS"),
+    "gated_delta": Stage(
+        "fn(q [T, Hk, Dk], k [T, Hk, Dk], v [T, Hv, Dv], g [T, Hv], beta [T, Hv], state [Hv, Dk, Dv]) -> "
+        "(o [T, Hv, Dv], the state after the last token): the gated delta rule of ONE sequence in one "
+        "linear_attention layer of a Qwen3.5 model (a prompt, a chunk of one, or a decode token); q and k "
+        "arrive raw (L2-normalise them, and scale q by 1/sqrt(Dk)); value head h reads key head "
+        "h // (Hv / Hk). NumPy backend only: hybrid models do not run on the GPU",
+        "gated_delta_chunked<<<(Hv, S), 128>>>(const float* qkv, long long ld, const float* g, "
+        "const float* beta, const float* state_in, float* state_out, const int* slots, const int* cu_seqlens, "
+        "float* out, int Hk, int Hv, int Dk, int Dv) (kernels_cu/gated_delta.cu; not launched by the model yet)",
+        ("gated_delta", "gated_delta_chunked")),
 }
 
 __doc__ += "".join(f"\n  {name}:\n    NumPy: {s.function}\n    CUDA:  {s.kernel}\n" for name, s in STAGES.items())

@@ -239,3 +239,14 @@ def test_syncthreads_is_a_real_barrier_and_its_absence_shows(sync):
         assert all(np.array_equal(g, p.want) for g in got) and verdict is None
     else:     # unwritten shared memory holds the poison, and the three thread orders disagree
         assert not all(np.array_equal(g, p.want) for g in got)
+
+
+def test_min_and_max_return_values_not_references():
+    """min(16, n - c) of two ints once returned a reference to a parameter gone out of scope (garbage)."""
+    source = ('extern "C" __global__ void probe(float* out) { int n = 1 + (int)threadIdx.x, c = 0;'
+              ' out[threadIdx.x] = (float)(min(16, n - c) * 100 + max(n - c, 3)); }')
+    so = cuda_cpu.build(source, "probe.cu", "probe", {})
+    case = Case("probe", (1,), 32, {}, lambda d: (d["out"],), "f32", np.ones((1, 32), np.float32))
+    outcome = cuda_cpu.run_case(so, "probe", case, 1, POISON["f32"], cuda_check.BITS["f32"])
+    n = np.arange(1, 33)
+    np.testing.assert_array_equal(outcome.runs[0][:32].view(np.float32), np.minimum(16, n) * 100 + np.maximum(n, 3))

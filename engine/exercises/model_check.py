@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.ops.attention import causal_attention_ref
 from engine.ops.embedding import embedding_ref
+from engine.ops.gated_delta import gated_delta_chunked_ref
 from engine.ops.kv_write import kv_write_ref
 from engine.ops.paged_attention import paged_attention_ref
 from engine.ops.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
@@ -35,7 +36,7 @@ from engine.runtime.sampling_params import SamplingParams
 ENGINE_STAGES: dict[str, Callable] = {
     "embedding": embedding_ref, "rmsnorm": rmsnorm_ref, "add_rmsnorm": add_rmsnorm_ref, "rope": rope_ref,
     "attention": causal_attention_ref, "swiglu": swiglu_ref, "sampling": sample_ref, "kv_write": kv_write_ref,
-    "paged_attention": paged_attention_ref,
+    "paged_attention": paged_attention_ref, "gated_delta": gated_delta_chunked_ref,
 }
 DEFAULT_PROMPT = "What is the capital of France?"
 RTOL, ATOL = 1e-4, 1e-6        # per token row: max|yours - engine| <= RTOL * max|engine row| + ATOL

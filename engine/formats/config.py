@@ -5,6 +5,9 @@ Three families share one forward pass, selected by config.json's `model_type` / 
   * qwen2  (`Qwen2ForCausalLM`: Qwen2, Qwen2.5): + a bias on the q, k and v projections (`qkv_bias`);
   * qwen3  (`Qwen3ForCausalLM`): + an RMSNorm over each q and k head before RoPE (`qk_norm`), and a
     head_dim of its own (128 when config.json does not say).
+  * qwen3_5_text (`Qwen3_5ForCausalLM`, and the text model of a `qwen3_5` directory): a hybrid, see
+    HybridConfig: `layer_types` mixes Gated DeltaNet (`linear_attention`) layers with full-attention
+    layers that have a query gate, q/k norms and partial rotary embeddings.
 Settings that would change the math and that this engine does not implement are refused, never
 approximated (for Qwen: sliding-window attention when a layer would actually use it).
 
@@ -100,9 +103,19 @@ class LlamaConfig(ModelShape):
     awq: AwqSettings | None = None      # the checkpoint's projections are AWQ-quantized
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each q and k head RoPE rotates (all of them here)."""
+        return self.head_dim
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep K and V per token in the cache (all of them here)."""
+        return self.num_hidden_layers
+
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         """K and V of one token across all layers (Llama-3.2-1B in bf16: 32 KiB)."""
-        return 2 * self.num_hidden_layers * self.kv_dim * bytes_per_value
+        return 2 * self.kv_layers * self.kv_dim * bytes_per_value
 
     def num_parameters(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
@@ -126,6 +139,78 @@ class LlamaConfig(ModelShape):
         if self.awq is not None:
             d["quantization_config"] = {"quant_method": "awq", "bits": self.awq.bits, "version": "gemm",
                                         "zero_point": True, "group_size": self.awq.group_size}
+        return d
+
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class HybridConfig(LlamaConfig):
+    """Qwen3.5 (model_type qwen3_5_text): layer i is a Gated DeltaNet layer (engine/ops/gated_delta.py)
+    when layer_types[i] is 'linear_attention', else full attention with a query gate (q_proj gives the
+    query and a gate per head; o_proj reads attn * sigmoid(gate)), RMSNorm over each q and k head and
+    RoPE over the first rotary_dim dimensions of each head. Every RMSNorm but the mixer's gated one
+    scales by (1 + weight) (the loader adds the 1, so the forward pass uses the ordinary norm)."""
+
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+    weights_prefix: str = "model."     # "model.language_model." in a qwen3_5 (vision-language) directory
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)      # transformers' rounding
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v of the mixer, side by side."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def kv_layers(self) -> int:
+        """Only the full-attention layers keep K and V per token; a linear layer's state has a fixed size."""
+        return len(self.full_attention_layers)
+
+    def num_parameters(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        mlp_and_norms = 3 * h * i + 2 * h
+        attention = h * (2 * self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 2 * self.head_dim
+        Hv = self.linear_num_value_heads
+        linear = (h * (self.conv_dim + self.linear_value_dim + 2 * Hv) + self.conv_dim * self.linear_conv_kernel_dim
+                  + 2 * Hv + self.linear_value_head_dim + self.linear_value_dim * h)
+        layers = sum(mlp_and_norms + (linear if t == LINEAR_ATTENTION else attention) for t in self.layer_types)
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + layers + h + head
+
+    def to_hf_dict(self) -> dict:
+        """A qwen3_5_text config.json dict (the layout transformers writes) that reads back to this config."""
+        d: dict[str, object] = {"architectures": [FAMILIES[self.model_type]], "model_type": self.model_type,
+                                "hidden_act": "silu", "attention_bias": False, "layer_types": list(self.layer_types),
+                                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                                    "partial_rotary_factor": self.partial_rotary_factor}}
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "tie_word_embeddings", "rms_norm_eps",
+                  "max_position_embeddings", "bos_token_id", "linear_num_key_heads", "linear_num_value_heads",
+                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            d[k] = getattr(self, k)
+        d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
         return d
 
 
@@ -161,13 +246,16 @@ def _same(value, allowed: tuple) -> bool:
 
 
 # model_type -> its architecture name. The family fixes the two variations of the forward pass.
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_QKV_BIAS = {"llama": False, "qwen2": True, "qwen3": False}
-_QK_NORM = {"llama": False, "qwen2": False, "qwen3": True}
-_DEFAULT_HEAD_DIM = {"qwen3": 128}        # transformers' Qwen3Config default; others: hidden / heads
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_5_text": "Qwen3_5ForCausalLM"}
+HYBRID_FAMILIES = {"qwen3_5_text"}
+_QKV_BIAS = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_5_text": False}
+_QK_NORM = {"llama": False, "qwen2": False, "qwen3": True, "qwen3_5_text": True}
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_5_text": 256}   # transformers' defaults; others: hidden / heads
 # Keys the Qwen families define themselves (checked by _check_sliding_window, not by _NEUTRAL)
 _QWEN_OWN = {"qwen2": {"sliding_window", "use_sliding_window", "max_window_layers", "attention_bias"},
-             "qwen3": {"sliding_window", "use_sliding_window", "max_window_layers"}}
+             "qwen3": {"sliding_window", "use_sliding_window", "max_window_layers"},
+             "qwen3_5_text": {"partial_rotary_factor"}}
 
 # Keys that change the math in a way this engine does not implement: each must be absent or hold
 # one of these values (the first is the one the engine runs).
@@ -202,7 +290,7 @@ def _check_neutral(d: dict, model_type: str = "llama") -> None:
     if "pretraining_tp" in d:   # only splits the GEMMs while training: the same math
         read_int(d, "pretraining_tp", lo=1)
     layer_types = d.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list)
+    if model_type not in HYBRID_FAMILIES and layer_types is not None and (not isinstance(layer_types, list)
                                     or any(t != "full_attention" for t in layer_types)):
         raise ConfigError(f"config.json: layer_types={layer_types!r} is not supported "
                           "(every layer must be 'full_attention')")
@@ -249,10 +337,22 @@ def _rope_dict(d: dict) -> tuple[str, dict]:
     return next(iter(found.items()), ("rope_parameters", {}))
 
 
-def _rope(d: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, llama3 scaling or None) from either layout."""
+# Qwen3.5's multimodal RoPE: three position rows (time, height, width) that share the frequencies by
+# sections. For text every row is the token's position, so it is the ordinary RoPE.
+_MROPE_KEYS = {"mrope_section", "mrope_interleaved"}
+
+
+def _rope(d: dict, max_positions: int, hybrid: bool = False) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from either layout (hybrid: partial rotary and text-only
+    mrope keys allowed; only the default rope_type)."""
     where, rope = _rope_dict(d)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if hybrid:
+        if kind != "default":
+            raise ConfigError(f"config.json: {where}.rope_type={kind!r} is not supported for this family "
+                              "(only 'default')")
+        _check_mrope(rope, where)
+        rope = {k: v for k, v in rope.items() if k not in _MROPE_KEYS and k != "partial_rotary_factor"}
     if "rope_type" in rope and "type" in rope and rope["type"] != rope["rope_type"]:
         raise ConfigError(f"config.json: {where} has rope_type={rope['rope_type']!r} and type={rope['type']!r}")
     if kind not in _ROPE_KEYS:
@@ -285,6 +385,15 @@ def _rope(d: dict, max_positions: int) -> tuple[float, RopeScaling | None]:
         raise ConfigError(f"{w}: llama3 values are inconsistent: high_freq_factor={scaling.high_freq_factor} "
                           f"must be greater than low_freq_factor={scaling.low_freq_factor}")
     return theta, scaling
+
+
+def _check_mrope(rope: dict, where: str) -> None:
+    section, interleaved = rope.get("mrope_section"), rope.get("mrope_interleaved", False)
+    if section is not None and (not isinstance(section, list) or len(section) != 3
+                                or not all(is_int(s) and 0 <= s <= MAX_SIZE for s in section)):
+        raise ConfigError(f"config.json: {where}.mrope_section must be a list of three integers >= 0, got {section!r}")
+    if not isinstance(interleaved, bool):
+        raise ConfigError(f"config.json: {where}.mrope_interleaved must be true or false, got {interleaved!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,16 +474,30 @@ def _awq(d: dict) -> AwqSettings | None:
 
 def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaConfig:
     """Validate a config.json dict; generation_config (if given) adds eos ids."""
+    if isinstance(d, dict) and d.get("model_type") == MULTIMODAL_QWEN3_5:
+        return _hybrid_config(*_text_config(d), generation_config)
     family = model_family(d)
-    if generation_config is not None and not isinstance(generation_config, dict):
-        raise ConfigError("generation_config.json must hold a JSON object")
+    if family in HYBRID_FAMILIES:
+        return _hybrid_config(d, "model.", generation_config)
     _check_neutral(d, family)
     shape = model_shape(d)
     if family != "llama":
         _check_sliding_window(d, shape.num_hidden_layers)
-    V = shape.vocab_size
     max_positions = read_int(d, "max_position_embeddings", 2048, lo=2, hi=MAX_INT32)
     theta, scaling = _rope(d, max_positions)
+    bos, eos = _special_ids(d, generation_config, shape.vocab_size)
+    return LlamaConfig(
+        **asdict(shape),
+        rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0, lo_open=False),
+        rope_theta=theta, max_position_embeddings=max_positions, rope_scaling=scaling,
+        bos_token_id=bos, eos_token_ids=eos, model_type=family, awq=_awq(d), extra=d,
+    )
+
+
+def _special_ids(d: dict, generation_config: dict | None, V: int) -> tuple[int | None, tuple[int, ...]]:
+    """(bos, eos ids) of config.json, with generation_config.json's eos ids added and its bos preferred."""
+    if generation_config is not None and not isinstance(generation_config, dict):
+        raise ConfigError("generation_config.json must hold a JSON object")
     eos = _token_ids(d.get("eos_token_id"), "eos_token_id", V)
     bos = d.get("bos_token_id")
     if generation_config:
@@ -383,12 +506,99 @@ def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaCon
         bos = generation_config.get("bos_token_id", bos)
     if bos is not None:
         _token_ids(bos, "bos_token_id", V)
-    return LlamaConfig(
+    return bos, eos
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3.5: the hybrid family
+
+MULTIMODAL_QWEN3_5 = "qwen3_5"      # Qwen3_5ForConditionalGeneration: text_config is the language model
+# transformers' Qwen3_5TextConfig defaults for keys that fix tensor shapes (a config.json written by
+# transformers gives them all; a hand-written one may leave them out)
+_QWEN3_5_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": False,
+                     "max_position_embeddings": 32768, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+
+
+def _text_config(d: dict) -> tuple[dict, str]:
+    """A qwen3_5 (vision-language) config.json -> (its text_config, where the text weights live).
+    Only the language model runs; its tensors are model.language_model.*."""
+    archs = d.get("architectures") or []
+    if archs and archs != ["Qwen3_5ForConditionalGeneration"]:
+        raise ConfigError(f"unsupported model: model_type='qwen3_5' architectures={archs!r} "
+                          "(expected Qwen3_5ForConditionalGeneration)")
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: a qwen3_5 config needs a 'text_config' object, got {text!r}")
+    if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        raise ConfigError(f"config.json: text_config.model_type={text.get('model_type')!r} is not supported "
+                          "(expected 'qwen3_5_text')")
+    text = {**text, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]}
+    if "tie_word_embeddings" in d:     # the outer model decides whether lm_head is the embedding
+        if "tie_word_embeddings" in text and text["tie_word_embeddings"] != d["tie_word_embeddings"]:
+            raise ConfigError(f"config.json: tie_word_embeddings={d['tie_word_embeddings']!r} and "
+                              f"text_config.tie_word_embeddings={text['tie_word_embeddings']!r} disagree")
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    return text, "model.language_model."
+
+
+def _layer_types(d: dict, num_layers: int) -> tuple[str, ...]:
+    """layer_types as given, else transformers' pattern: every full_attention_interval-th layer is full."""
+    types = d.get("layer_types")
+    if types is None:
+        every = read_int(d, "full_attention_interval", 4, hi=MAX_INT32)
+        return tuple(LINEAR_ATTENTION if (i + 1) % every else FULL_ATTENTION for i in range(num_layers))
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in (LINEAR_ATTENTION, FULL_ATTENTION) for t in types)):
+        raise ConfigError(f"config.json: layer_types must list 'linear_attention' or 'full_attention' for each "
+                          f"of the {num_layers} layers, got {types!r}")
+    return tuple(types)
+
+
+def _partial_rotary_factor(d: dict) -> float:
+    """transformers' default is 0.25; it may sit at the top level or in rope_parameters (not both, differing)."""
+    where, rope = _rope_dict(d)
+    if "partial_rotary_factor" in d and "partial_rotary_factor" in rope \
+            and d["partial_rotary_factor"] != rope["partial_rotary_factor"]:
+        raise ConfigError(f"config.json: partial_rotary_factor={d['partial_rotary_factor']!r} and "
+                          f"{where}.partial_rotary_factor={rope['partial_rotary_factor']!r} disagree")
+    source = rope if "partial_rotary_factor" in rope else d
+    return read_float(source, "partial_rotary_factor", 0.25, 0.0, 1.0, lo_open=True,
+                      where="config.json" if source is d else f"config.json {where}")
+
+
+def _hybrid_config(d: dict, weights_prefix: str, generation_config: dict | None) -> HybridConfig:
+    d = {**_QWEN3_5_DEFAULTS, **d}
+    model_family(d)
+    _check_neutral(d, "qwen3_5_text")
+    if "attn_output_gate" in d and d["attn_output_gate"] is not True:    # Qwen3-Next's switch: always on here
+        raise ConfigError(f"config.json: attn_output_gate={d['attn_output_gate']!r} is not supported "
+                          "(Qwen3.5's full-attention layers always gate their output)")
+    shape = model_shape(d)
+    key_heads, value_heads = read_int(d, "linear_num_key_heads"), read_int(d, "linear_num_value_heads")
+    if value_heads % key_heads:
+        raise ConfigError(f"config.json: linear_num_value_heads={value_heads} is not a multiple "
+                          f"of linear_num_key_heads={key_heads}")
+    factor = _partial_rotary_factor(d)
+    rotary_dim = int(shape.head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"config.json: partial_rotary_factor={factor} gives {rotary_dim} rotary dimensions of "
+                          f"head_dim={shape.head_dim}; it must be an even number >= 2")
+    max_positions = read_int(d, "max_position_embeddings", lo=2, hi=MAX_INT32)
+    theta, _ = _rope(d, max_positions, hybrid=True)
+    bos, eos = _special_ids(d, generation_config, shape.vocab_size)
+    if d.get("quantization_config") is not None:
+        raise ConfigError("config.json: quantization_config is not supported for qwen3_5_text models")
+    return HybridConfig(
         **asdict(shape),
-        rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0, lo_open=False),
-        rope_theta=theta, max_position_embeddings=max_positions, rope_scaling=scaling,
-        bos_token_id=bos, eos_token_ids=eos, model_type=family, awq=_awq(d), extra=d,
-    )
+        rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0),
+        rope_theta=theta, max_position_embeddings=max_positions,
+        bos_token_id=bos, eos_token_ids=eos, model_type="qwen3_5_text", extra=d,
+        layer_types=_layer_types(d, shape.num_hidden_layers),
+        linear_conv_kernel_dim=read_int(d, "linear_conv_kernel_dim", hi=64), partial_rotary_factor=factor,
+        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=read_int(d, "linear_key_head_dim"), linear_value_head_dim=read_int(d, "linear_value_head_dim"),
+        weights_prefix=weights_prefix)
 
 
 # ---------------------------------------------------------------------------------------------

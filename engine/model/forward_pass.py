@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.backend import Backend, resolve_backend
-from engine.formats.config import ConfigError, LlamaConfig, check_serving_args, load_config
+from engine.formats.config import ConfigError, HybridConfig, LlamaConfig, check_serving_args, load_config
+from engine.model.hybrid_forward import hybrid_logits
+from engine.model.hybrid_weights import load_hybrid_weights
 from engine.model.kv_cache import KVCache
 from engine.model.weights import load_weights
 from engine.ops.argmax import argmax_rows
@@ -46,6 +48,7 @@ class ForwardBatch:
     logits_rows  [R]       rows whose logits are wanted (None = every row)
     feedback     (index [K] int32 host, ids [K] int32 on the backend) or None: async scheduling's tokens
                  that the previous step sampled; token_ids[index] are placeholders (-1)
+    recurrent    [S] each sequence's RecurrentState (hybrid models with a cache; updated by the pass)
     """
 
     token_ids: np.ndarray
@@ -55,6 +58,7 @@ class ForwardBatch:
     slot_mapping: np.ndarray | None = None
     logits_rows: np.ndarray | None = None
     feedback: tuple | None = None
+    recurrent: list | None = None
 
     @property
     def known_token_ids(self) -> np.ndarray:
@@ -129,6 +133,16 @@ def check_vocab_fits(tokenizer, config: LlamaConfig) -> None:
                           "tokenizer.json does not belong to this model")
 
 
+def check_backend_runs(config: LlamaConfig, backend: Backend) -> None:
+    """ConfigError unless this backend runs every layer of the model."""
+    if backend.is_gpu and isinstance(config, HybridConfig):
+        raise ConfigError(f"{config.model_type}: the model runs on the NumPy backend only (the Gated DeltaNet "
+                          "kernels of kernels_cu/gated_delta.cu are not wired into its forward pass yet); "
+                          "load it with backend='numpy'")
+    if backend.is_gpu:
+        check_gpu_shape(config)
+
+
 class Model:
     """A loaded Llama-family model on one backend."""
 
@@ -136,8 +150,7 @@ class Model:
 
     def __init__(self, config: LlamaConfig, weights, backend: Backend, max_context: int | None = None):
         check_serving_args(config, max_context=max_context)
-        if backend.is_gpu:
-            check_gpu_shape(config)
+        check_backend_runs(config, backend)
         self.config, self.weights, self.backend = config, weights, backend
         self.max_context = int(max_context) if max_context is not None else config.max_position_embeddings
         # RoPE tables cover the context in use: all of an explicit max_context (they never move, so a
@@ -171,6 +184,9 @@ class Model:
             self._grow_rope(int(batch.positions.max()) + 1)
         if cache is None and not batch.fresh:
             raise ValueError("without a KV cache every sequence must start at position 0")
+        if isinstance(self.config, HybridConfig) and cache is not None and batch.recurrent is None:
+            raise ValueError(f"{self.config.model_type}: a pass with a cache needs each sequence's recurrent state "
+                             "(ForwardBatch.recurrent)")
         dev = self._to_backend                                     # host int32 -> device once per step
         cached = cache is not None and not batch.fresh
         ids = batch.with_feedback(dev(batch.token_ids))
@@ -180,10 +196,10 @@ class Model:
             tables=dev(batch.page_tables) if cached else None,
             seq_idx=dev(batch.seq_idx) if cached else None,
             longest=int(batch.positions.max()) + 1 if cached else None,
-            logits_rows=None if batch.logits_rows is None else dev(batch.logits_rows))
+            logits_rows=None if batch.logits_rows is None else dev(batch.logits_rows), recurrent=batch.recurrent)
 
     def run(self, ids, pos, cu_seqlens, cache=None, *, slots=None, tables=None, seq_idx=None,
-            longest=None, logits_rows=None):
+            longest=None, logits_rows=None, recurrent=None):
         """The layers on arrays already on the backend's device: no host<->device traffic here, so a
         GPU decode step can be captured once as a CUDA graph and replayed (engine/runtime/cuda_graphs.py).
 
@@ -191,11 +207,16 @@ class Model:
         paged kernel (`longest` bounds the context). A prefill (some sequence of cu_seqlens, on the
         host, brings several tokens) runs tiled flash attention: on fresh prompts over the batch's
         own K/V, and with `tables` (a chunk after a cached prefix) over the cache pages.
+        A hybrid model (Qwen3.5) runs engine/model/hybrid_forward.py with the same attention; its
+        linear layers carry `recurrent` (one RecurrentState per sequence) instead of K/V.
         """
         cfg, w = self.config, self.weights
         if longest is not None:
             self._grow_rope(longest)                               # host int: no device traffic
         attend = self._attention(cu_seqlens, pos, tables, seq_idx, longest)
+        if isinstance(cfg, HybridConfig):
+            return hybrid_logits(cfg, w, ids, pos, np.asarray(cu_seqlens), self.cos, self.sin, attend, cache, slots,
+                                 recurrent, logits_rows)
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)
         for i, lw in enumerate(w.layers):
@@ -253,7 +274,8 @@ class Model:
 
 def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None,
                quantization: str | None = None, group_size: int | None = None) -> Model:
-    """Load a Llama, Qwen2 or Qwen3 model directory (config.json + safetensors) on the chosen backend.
+    """Load a Llama, Qwen2, Qwen3 or Qwen3.5 model directory (config.json + safetensors) on the chosen
+    backend (Qwen3.5: the NumPy backend only).
 
     quantization "int8" | "int4": every projection quantized on load (weight-only, `group_size` inputs
     per scale and zero point: by default 128, or the largest group below it that the model's sizes
@@ -262,4 +284,9 @@ def load_model(model_dir, backend: str | Backend = "auto", max_context: int | No
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     b = resolve_backend(backend)
+    if isinstance(config, HybridConfig):
+        if quantization is not None:
+            raise ConfigError(f"quantization={quantization!r} is not supported for {config.model_type} models")
+        check_backend_runs(config, b)              # before any weight is read
+        return Model(config, load_hybrid_weights(model_dir, config), b, max_context)
     return Model(config, load_weights(model_dir, config, b, quantization, group_size), b, max_context)

@@ -1,6 +1,7 @@
 """The KV cache: where the keys and values of past tokens live (chapters 08-11).
 
-One layout serves every chapter: per layer, K and V are [num_pages, page_size, Hkv, D].
+One layout serves every chapter: per layer, K and V are [num_pages, page_size, Hkv, D] (every layer
+that keeps K/V: config.kv_layers, which for Qwen3.5 counts its full-attention layers only).
   * chapter 08/09/10, contiguous: one page per sequence slot, page_size = max_context, so a
     sequence's tokens sit back to back and the slot reserves its whole context up front;
   * chapter 11, paged: many small pages (16 tokens) shared by all sequences through page tables.
@@ -50,7 +51,7 @@ class KVCache:
         self.num_pages, self.page_size = num_pages, page_size
         xp = self.backend.xp
         dtype = kv_dtype(self.backend)
-        shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.kv_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
         wanted = 2 * math.prod(shape) * np.dtype(dtype).itemsize          # K and V
         if wanted > available_bytes(self.backend):
             raise ValueError(f"a KV cache of {num_pages} x {page_size} tokens needs {wanted / 2**20:.0f} MiB, "

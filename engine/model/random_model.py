@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.formats.config import LlamaConfig, config_from_dict
+from engine.formats.config import HybridConfig, LlamaConfig, config_from_dict
 from engine.formats.safetensors import save_file
+from engine.model.hybrid_weights import hybrid_shapes
 from engine.model.weights import expected_shapes
 
 _LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -37,6 +38,10 @@ _QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_
           "use_sliding_window": False, "attention_dropout": 0.0}
 _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
           "attention_bias": False, "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0}
+
+_QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
+            "attention_bias": False, "attention_dropout": 0.0}
+_LINEAR, _FULL = "linear_attention", "full_attention"
 
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
@@ -96,16 +101,58 @@ PRESETS: dict[str, dict] = {
                               "head_dim": 10, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                               "max_position_embeddings": 192, "max_window_layers": 3,
                               "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    # Qwen3.5 (hybrid): the language model of Qwen3.5-0.8B (24 layers, one full-attention layer in four,
+    # hidden 1024, 8 / 2 heads of 256 with a quarter rotated, 16 Gated DeltaNet heads of 128, vocab 248320)
+    "qwen3.5-0.8b": {**_QWEN3_5, "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+                     "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                     "layer_types": ([_LINEAR] * 3 + [_FULL]) * 6, "rms_norm_eps": 1e-6,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                     "max_position_embeddings": 262144, "tie_word_embeddings": True,
+                     "bos_token_id": None, "eos_token_id": 248044},
+    # Tiny Qwen3.5 shapes: irregular layer_types, value heads a multiple (3) of key heads, odd dims,
+    # GQA and MQA, tied and untied, two rotary fractions and conv widths.
+    "tiny-qwen3.5": {**_QWEN3_5, "vocab_size": 331, "hidden_size": 48, "intermediate_size": 88,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 8,
+                     "linear_value_head_dim": 10, "linear_conv_kernel_dim": 4,
+                     "layer_types": [_LINEAR, _LINEAR, _FULL, _LINEAR], "rms_norm_eps": 1e-6,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+                     "max_position_embeddings": 256, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-qwen3.5-mqa-untied": {**_QWEN3_5, "vocab_size": 277, "hidden_size": 42, "intermediate_size": 70,
+                                "num_hidden_layers": 5, "num_attention_heads": 3, "num_key_value_heads": 1,
+                                "head_dim": 20, "linear_num_key_heads": 1, "linear_num_value_heads": 3,
+                                "linear_key_head_dim": 12, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 3,
+                                "layer_types": [_FULL, _LINEAR, _LINEAR, _FULL, _LINEAR], "rms_norm_eps": 1e-5,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.4},
+                                "max_position_embeddings": 192, "tie_word_embeddings": False,
+                                "bos_token_id": 1, "eos_token_id": [2, 3]},
 }
+
+# Qwen3.5's RMSNorms scale by (1 + weight): these are drawn around 0, not 1
+_ZERO_CENTERED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 
 
 def random_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """name -> float32 array; matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 + N(0, 0.1),
-    biases ~ N(0, 0.5) (large enough that a missing bias changes every logit)."""
+    biases ~ N(0, 0.5) (large enough that a missing bias changes every logit). Qwen3.5: its (1 + w) norms
+    ~ N(0, 0.1); A_log ~ U(log 0.01, log 2) and dt_bias ~ N(-1, 0.5), so that some heads forget within
+    a few tokens and others remember across the whole sequence."""
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in expected_shapes(config).items():
-        if name.endswith(".bias"):
+    hybrid = isinstance(config, HybridConfig)
+    shapes = hybrid_shapes(config) if isinstance(config, HybridConfig) else expected_shapes(config)
+    final_norm = f"{config.weights_prefix if isinstance(config, HybridConfig) else 'model.'}norm.weight"
+    for name, shape in shapes.items():
+        if hybrid and name.endswith("A_log"):
+            tensors[name] = rng.uniform(np.log(0.01), np.log(2.0), shape).astype(np.float32)
+        elif hybrid and name.endswith("dt_bias"):
+            tensors[name] = (0.5 * rng.standard_normal(shape) - 1.0).astype(np.float32)
+        elif hybrid and (name.endswith(_ZERO_CENTERED) or name == final_norm):
+            tensors[name] = (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        elif name.endswith(".bias"):
             tensors[name] = (0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
         elif len(shape) == 1:
             tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)

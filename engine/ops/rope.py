@@ -26,8 +26,9 @@ from engine.plugins import OVERRIDES, checked_result, to_backend, to_host
 
 
 def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
-    """[D/2] float32 inverse frequencies, with Llama 3 scaling when the config asks for it."""
-    D = config.head_dim
+    """[R/2] float32 inverse frequencies, with Llama 3 scaling when the config asks for it; R is the
+    rotary dimension (the whole head_dim except for Qwen3.5's partial rotary embeddings)."""
+    D = config.rotary_dim
     exponents = np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D                 # [D/2]
     inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
     rs = config.rope_scaling
@@ -61,6 +62,20 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndar
     s = sin[positions][:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def rope_leading(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, n_heads, D] (NumPy) -> a copy with the first R = 2 * cos.shape[1] dimensions of each head
+    rotated and the other D - R passed through (Qwen3.5's partial rotary embeddings; R = D is the
+    ordinary RoPE). A learner's rope override, when one is active, does the rotation."""
+    R = 2 * cos.shape[1]
+    part = x[..., :R]
+    plug = OVERRIDES.get("rope")
+    if plug is not None:
+        rotated = checked_result("rope", plug.require_function()(part.copy(), positions, cos, sin), part.shape)
+    else:
+        rotated = rope_ref(part, positions, cos, sin)
+    return np.concatenate([rotated, x[..., R:]], axis=-1)
 
 
 def qkv_bias_norm_ref(qkv, bias, q_norm, k_norm, config: LlamaConfig):

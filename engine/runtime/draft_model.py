@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.checks import path_exists, read_regular_file
-from engine.formats.config import load_config
+from engine.formats.config import HybridConfig, load_config
 from engine.model.forward_pass import ForwardBatch, load_model
 from engine.model.kv_cache import KVCache, kv_bytes_per_token
 from engine.runtime.cuda_graphs import DecodeGraphs
@@ -79,6 +79,9 @@ def check_draft_model(draft_dir, target_config, target_dir, max_context: int):
         config = load_config(Path(draft_dir))
     except (OSError, ValueError) as exc:
         raise SpeculativeError(f"the draft model {draft_dir}: {exc}") from exc
+    if isinstance(config, HybridConfig):
+        raise SpeculativeError(f"the draft model {draft_dir} is a {config.model_type} model: it cannot run with a "
+                               "cache yet (no per-request recurrent state for its Gated DeltaNet layers)")
     if config.max_position_embeddings < max_context:
         raise SpeculativeError(f"the draft model {draft_dir} reaches {config.max_position_embeddings} positions, "
                                f"the target's context is {max_context}: pass a shorter max_context")

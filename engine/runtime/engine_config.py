@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.backend import Backend
 from engine.checks import env_switch
-from engine.formats.config import LlamaConfig, check_serving_args
+from engine.formats.config import HybridConfig, LlamaConfig, check_serving_args
 from engine.runtime.kv_allocator import KVAllocator, PageAllocator, SlotAllocator
 from engine.runtime.scheduler import ADMISSIONS, Scheduler
 from engine.runtime.speculative import SpeculativeConfig
@@ -23,6 +23,18 @@ KV_CACHES = ("paged", "contiguous")
 # model's whole context (131,072 for Llama 3.2) would leave room for a handful of sequences at most.
 DEFAULT_MAX_CONTEXT = 4096
 ASYNC_SWITCH = "ENGINE_ASYNC_SCHEDULING"     # "0" turns async scheduling off
+
+
+def check_hybrid_settings(config: LlamaConfig, prefix_caching, speculative) -> None:
+    """ValueError naming the setting that a hybrid model (Qwen3.5) cannot run with."""
+    if not isinstance(config, HybridConfig):
+        return
+    if prefix_caching:
+        raise ValueError(f"prefix_caching=True cannot serve {config.model_type} models: a cached page restores the "
+                         "K/V of its tokens, but not the recurrent state the Gated DeltaNet layers had reached there")
+    if speculative is not None:
+        raise ValueError(f"speculative decoding is not supported for {config.model_type} models: rejected tokens "
+                         "would have to be taken back out of the recurrent state")
 
 
 def default_async_scheduling(backend: Backend, scheduler_cls: type) -> bool:
@@ -87,6 +99,8 @@ class EngineConfig:
                              "and a contiguous slot is one page as long as the whole context")
         check_serving_args(config, max_context=max_context, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
                            page_size=page_size, kv_cache_mib=kv_cache_mib)
+        check_hybrid_settings(config, prefix_caching, speculative)
+        hybrid = isinstance(config, HybridConfig)
         spec = SpeculativeConfig.parse(speculative)
         if spec is not None and (batching != "continuous" or scheduler_cls is not Scheduler):
             raise ValueError("speculative decoding needs continuous batching and the engine's own Scheduler")
@@ -100,8 +114,8 @@ class EngineConfig:
                    async_scheduling=(default_async_scheduling(backend, scheduler_cls) if async_scheduling is None
                                      else async_scheduling),
                    kv_cache_mib=None if kv_cache_mib is None else float(kv_cache_mib),
-                   prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler) if prefix_caching is None
-                   else prefix_caching,
+                   prefix_caching=(kv_cache == "paged" and scheduler_cls is Scheduler and not hybrid)
+                   if prefix_caching is None else prefix_caching,
                    scheduler_cls=scheduler_cls, allocator_cls=allocator_cls, speculative=spec)
 
     def new_scheduler(self, num_pages: int, eos_token_ids: set[int], first_request_id: int = 0, *,

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.formats.config import HybridConfig
 from engine.model.forward_pass import ForwardBatch, Model
 from engine.model.kv_cache import KVCache, kv_bytes_per_token
 from engine.ops.logits_processing import masked_logits, process_logits, token_logprobs
@@ -35,6 +36,7 @@ from engine.ops.sampling import SampledTokens, start_sampling
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.draft_model import DraftModelProposer
 from engine.runtime.engine_config import EngineConfig
+from engine.runtime.recurrent_states import RecurrentStates
 from engine.runtime.sampling_params import step_uniforms
 from engine.runtime.scheduler import PENDING, Batch, Row, Scheduler, StepOutput
 from engine.runtime.speculative import verify_step
@@ -149,6 +151,8 @@ class ModelRunner:
         # structured outputs: each constrained request's automaton over the tokenizer's vocabulary
         self.structured = StructuredOutputs(tokenizer, self.config.vocab_size, eos_token_ids or set(), self.backend.xp)
         self.cache, self.engine_config = self._allocate_cache(engine_config)
+        # a hybrid model's linear layers: one recurrent state per request, beside the cache
+        self.recurrent = RecurrentStates(self.config) if isinstance(self.config, HybridConfig) else None
         # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
         # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
         self.decode_graphs = DecodeGraphs(model, self.cache, decode_rows(self.engine_config),
@@ -191,6 +195,8 @@ class ModelRunner:
                 sched.clear_prefix_cache()
             if self.proposer is not None:      # the draft's sequences belong to the other scheduler
                 self.proposer.reset()
+            if self.recurrent is not None:     # so do the recurrent states (request ids start over)
+                self.recurrent.clear()
         self._writer = weakref.ref(sched)
 
     # ---- one step ----------------------------------------------------------------------------
@@ -207,7 +213,8 @@ class ModelRunner:
         logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
         cu_seqlens, page_tables = split_verify_rows(batch)
         fb = ForwardBatch(batch.token_ids, batch.positions, cu_seqlens, page_tables, batch.slot_mapping,
-                          logits_rows=logits_rows, feedback=self._feedback(batch, previous))
+                          logits_rows=logits_rows, feedback=self._feedback(batch, previous),
+                          recurrent=None if self.recurrent is None else self.recurrent.for_rows(batch.rows))
         logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
         if logits is None:
             logits = self.model.forward(fb, self.cache)
@@ -309,6 +316,8 @@ class ModelRunner:
         """Hand the sampled tokens to the scheduler. A step's `seconds` run from its launch, or from the
         previous completion when steps overlap, so that the seconds of a log add up to its wall time."""
         out = sched.complete(launched.batch.batch_id, tokens)
+        if self.recurrent is not None:     # ended requests need their state no more
+            self.recurrent.keep_live(sched.is_live)
         out.logprobs = launched.token_logprobs()
         now = time.perf_counter()
         out.record["seconds"] = now - max(launched.started, self._last_completion)
