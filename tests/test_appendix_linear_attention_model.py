@@ -12,7 +12,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers.oracle import FIXTURES, greedy_no_cache, hf_logits, needs_transformers, relative_error, sha256_file
+from helpers.oracle import (
+    FIXTURES,
+    fixture_rebuilder,
+    greedy_no_cache,
+    hf_logits,
+    needs_transformers,
+    relative_error,
+    sha256_file,
+)
 
 from engine.formats.config import ConfigError
 from engine.formats.safetensors import load_file, save_file
@@ -20,7 +28,6 @@ from engine.model import hybrid_forward
 from engine.model.forward_pass import ForwardBatch, Model, check_backend_runs, load_model
 from engine.model.hybrid_weights import GatedAttentionLayer, LinearAttentionLayer
 from engine.model.kv_cache import KVCache
-from engine.model.random_model import write_random_model
 
 INDEX = json.loads((FIXTURES / "qwen3_5_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
@@ -31,17 +38,7 @@ REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_qwen3_5_f
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory):
     """name -> (model directory, token ids, reference logits), built lazily once per module."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            entry = INDEX["models"][name]
-            model_dir = write_random_model(tmp_path_factory.mktemp(name), entry["config"],
-                                           seed=INDEX["seed"], dtype=entry["dtype"])
-            with np.load(FIXTURES / f"qwen3_5_oracle_{name}.npz") as f:
-                cache[name] = (model_dir, f["token_ids"], f["logits"])
-        return cache[name]
-    return get
+    return fixture_rebuilder(tmp_path_factory, INDEX, "qwen3_5_oracle")
 
 
 def check_logits(logits, ref, what):

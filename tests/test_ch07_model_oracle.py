@@ -12,10 +12,9 @@ import json
 
 import numpy as np
 import pytest
-from helpers.oracle import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
+from helpers.oracle import FIXTURES, fixture_rebuilder, hf_logits, needs_transformers, relative_error, sha256_file
 
 from engine.model.forward_pass import Model, load_model
-from engine.model.random_model import write_random_model
 from engine.runtime.llm import LLM
 from engine.runtime.sampling_params import SamplingParams
 
@@ -28,17 +27,7 @@ REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_model_fix
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory):
     """name -> (model directory, token ids, reference logits), built lazily once per module."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            entry = INDEX["models"][name]
-            model_dir = write_random_model(tmp_path_factory.mktemp(name), entry["config"],
-                                           seed=INDEX["seed"], dtype=entry["dtype"])
-            with np.load(FIXTURES / f"model_oracle_{name}.npz") as f:
-                cache[name] = (model_dir, f["token_ids"], f["logits"])
-        return cache[name]
-    return get
+    return fixture_rebuilder(tmp_path_factory, INDEX, "model_oracle")
 
 
 def check_logits(logits: np.ndarray, ref: np.ndarray, what: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.formats.config import FULL_ATTENTION, ConfigError, HybridConfig
 from engine.formats.safetensors import Checkpoint, open_checkpoint
-from engine.model.weights import FLOAT_DTYPES, Weights, check_finite
+from engine.model.weights import FLOAT_DTYPES, Weights, check_finite, check_tensor_set
 
 IGNORED_PREFIXES = ("mtp.", "model.visual.")     # transformers skips these too
 
@@ -99,18 +99,7 @@ def check_hybrid_checkpoint(ckpt: Checkpoint, config: HybridConfig) -> None:
             raise ConfigError(f"{ckpt.path}: config.json says tie_word_embeddings=true but lm_head.weight is not "
                               f"a copy of {embed}")
         names.remove("lm_head.weight")
-    missing = [n for n in expected if n not in ckpt]
-    if missing:
-        raise ConfigError(f"{ckpt.path}: {len(missing)} expected tensor(s) missing, e.g. {missing[:3]}")
-    unexpected = [n for n in names if n not in expected]
-    if unexpected:
-        raise ConfigError(f"{ckpt.path}: unexpected tensor(s) {unexpected[:3]} for this config")
-    for name, shape in expected.items():
-        if tuple(ckpt.shape(name)) != shape:
-            raise ConfigError(f"{ckpt.path}: tensor {name!r} has shape {tuple(ckpt.shape(name))}, "
-                              f"config.json implies {shape}")
-        if ckpt.dtype(name) not in FLOAT_DTYPES:
-            raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; it must be one of {FLOAT_DTYPES}")
+    check_tensor_set(ckpt, expected, dict.fromkeys(expected, FLOAT_DTYPES), names)
 
 
 def _reader(ckpt: Checkpoint):

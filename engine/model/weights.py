@@ -144,11 +144,18 @@ def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
             for suffix, shape_of, dtype in AWQ_TENSORS:
                 expected[name[:-len("weight")] + suffix] = shape_of(N, K, G)
                 dtypes[name[:-len("weight")] + suffix] = (dtype,)
+    check_tensor_set(ckpt, expected, dtypes, [n for n in ckpt.keys() if not _ignorable(n)
+                                              and not (n == "lm_head.weight" and config.tie_word_embeddings)])
+
+
+def check_tensor_set(ckpt: Checkpoint, expected: dict[str, tuple], dtypes: dict[str, tuple[str, ...]],
+                     present: list[str]) -> None:
+    """ConfigError unless every expected tensor is in the checkpoint with its shape and one of its dtypes,
+    and every name of `present` (the checkpoint's tensors that count) is expected."""
     missing = [n for n in expected if n not in ckpt]
     if missing:
         raise ConfigError(f"{ckpt.path}: {len(missing)} expected tensor(s) missing, e.g. {missing[:3]}")
-    unexpected = [n for n in ckpt.keys() if n not in expected and not _ignorable(n)
-                  and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    unexpected = [n for n in present if n not in expected]
     if unexpected:
         raise ConfigError(f"{ckpt.path}: unexpected tensor(s) {unexpected[:3]} for this config")
     for name, shape in expected.items():

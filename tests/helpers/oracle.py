@@ -57,6 +57,22 @@ def gen_model_dir(eos=None, family: str = "llama") -> Path:
     return cached_model_dir(f"gen-{family}-eos{eos}", json.dumps(config, sort_keys=True))
 
 
+def fixture_rebuilder(tmp_path_factory, index: dict, prefix: str):
+    """name -> (model directory, token ids, reference logits) of a committed oracle fixture: the random
+    model its index entry describes, rebuilt lazily once, and FIXTURES/<prefix>_<name>.npz."""
+    cache: dict = {}
+
+    def get(name):
+        if name not in cache:
+            entry = index["models"][name]
+            model_dir = write_random_model(tmp_path_factory.mktemp(name), entry["config"],
+                                           seed=index["seed"], dtype=entry["dtype"])
+            with np.load(FIXTURES / f"{prefix}_{name}.npz") as f:
+                cache[name] = (model_dir, f["token_ids"], f["logits"])
+        return cache[name]
+    return get
+
+
 def sha256_file(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
