@@ -13,16 +13,16 @@
 // the weights of the experts nobody chose are never read: a step streams k/E of the expert bytes.
 //
 // Five launches per sparse layer (the router logits are an ordinary linear() before them):
-//   moe_route        <<<T, 32, E*4>>>     one warp per token: softmax over E, k rounds of a warp arg-max
+//   moe_route        <<<T, 32>>>          one warp per token: softmax over E, k rounds of a warp arg-max
 //                                         (ties: the lower expert index), renormalise if asked
-//   moe_group        <<<1, 1024, (2E+1)*4>>>  counting sort of the R = T*k pairs by expert:
+//   moe_group        <<<1, 1024>>>        counting sort of the R = T*k pairs by expert:
 //                                         count (shared atomics), exclusive scan (thread 0, E steps),
 //                                         tiles of <= MOE_TILE_M rows per expert, scatter (atomics on
 //                                         per-expert cursors). Within an expert the order of its rows
 //                                         is whatever the atomics give; nothing depends on it, since
 //                                         every grouped row is computed on its own and combined by
 //                                         its position (pair_row), not by its order.
-//   moe_expert_gemm  <<<(ceil(N/MOE_TILE_N), tiles), 256>>>  y[r] = W_e x[r] for the rows of every tile,
+//   moe_expert_gemm  <<<(ceil(N/MOE_TILE_N), tiles), 16 MOE_TILE_M>>>  y[r] = W_e x[r] for the rows of every tile,
 //                                         twice: gate_up (x gathered from the tokens) and down (x =
 //                                         swiglu's output, already in grouped order). `tiles` is an
 //                                         upper bound known from T and E alone; blocks past the real
@@ -32,8 +32,8 @@
 //   moe_combine      <<<T, 256>>>         out[t] = sum_j w[t, j] * y[pair_row[t*k + j]], j in order:
 //                                         deterministic, no atomics on the output
 //
-// moe_expert_gemm's tile: MOE_TILE_M rows x MOE_TILE_N columns, K in steps of MOE_BK. 256 threads:
-// thread (ty = tid / 16, tx = tid % 16) owns row ty and columns tx, tx + 16, tx + 32, tx + 48. Each
+// moe_expert_gemm's tile: MOE_TILE_M rows x MOE_TILE_N columns, K in steps of MOE_BK. 16 MOE_TILE_M threads:
+// thread (ty = tid / 16, tx = tid % 16) owns row ty and columns tx, tx + 16, ... (MOE_TILE_N / 16). Each
 // step stages x [MOE_TILE_M, MOE_BK] and W [MOE_TILE_N, MOE_BK] in shared memory as fp32 (rows padded
 // to MOE_BK + 1 floats: the 16 column threads of a row read 16 different banks). An output's sum runs
 // over k in order whatever the other rows are: a token's result does not depend on its batch.
@@ -47,9 +47,12 @@
 #ifndef MOE_TILE_N
 #define MOE_TILE_N 64
 #endif
+#ifndef MOE_MAX_EXPERTS
+#define MOE_MAX_EXPERTS 1024   // E <= this: one float (moe_route) or two ints (moe_group) of shared memory each
+#endif
 #define MOE_BK 32
-#define GEMM_THREADS 256
-static_assert(MOE_TILE_M * 16 == GEMM_THREADS, "one thread row per grouped row, 16 threads per row");
+#define GEMM_THREADS (MOE_TILE_M * 16)   // a row of 16 threads per grouped row of the tile
+static_assert(GEMM_THREADS <= 1024, "MOE_TILE_M: at most 64 rows per tile");
 static_assert(MOE_TILE_N % 16 == 0, "each of a row's 16 threads owns MOE_TILE_N / 16 columns");
 
 // ------------------------------------------------------------------------------------------------
@@ -57,7 +60,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits,   // [T, 
                                      float* __restrict__ weights,        // [T, k]
                                      int* __restrict__ experts,          // [T, k]
                                      int E, int k, int norm_topk_prob) {
-    extern __shared__ float probs[];                                     // [E]
+    __shared__ float probs[MOE_MAX_EXPERTS];                              // [E] this token's probabilities
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (long long)t * E;
     float m = -INFINITY;
@@ -107,9 +110,8 @@ extern "C" __global__ void moe_group(const int* __restrict__ experts,   // [R] =
                                      int* __restrict__ tile_expert,      // [tiles] expert of each tile
                                      int* __restrict__ tile_start,       // [tiles] first grouped row of each tile
                                      int* __restrict__ num_tiles) {      // [1]
-    extern __shared__ int smem[];
-    int* count = smem;            // [E] rows per expert, then each expert's first tile
-    int* cursor = smem + E;       // [E] next free grouped row of each expert
+    __shared__ int count[MOE_MAX_EXPERTS];    // [E] rows per expert, then each expert's first tile
+    __shared__ int cursor[MOE_MAX_EXPERTS];   // [E] next free grouped row of each expert
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int a = threadIdx.x; a < R; a += blockDim.x) atomicAdd(&count[experts[a]], 1);

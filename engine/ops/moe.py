@@ -39,9 +39,9 @@ from engine.plugins import OVERRIDES, PluginError, to_host
 # checks that they agree)
 MOE_TILE_M = 16          # grouped rows of one expert per tile (the rows a block computes)
 MOE_TILE_N = 64          # output columns per block
-MOE_MAX_EXPERTS = 1024   # the grouping kernel keeps a count per expert in shared memory
+MOE_MAX_EXPERTS = 1024   # the routing and grouping kernels keep a value per expert in shared memory
 GROUP_THREADS = 1024     # one block sorts every (token, expert) pair of the step
-GEMM_THREADS = 256
+GEMM_THREADS = 16 * MOE_TILE_M   # the kernel's layout: 16 threads per grouped row of a tile
 
 
 def softmax_ref(logits: np.ndarray) -> np.ndarray:
@@ -116,9 +116,9 @@ def route(logits, k: int, norm_topk_prob: bool):
     import cupy as cp
     weights, experts = cp.empty((T, k), dtype=cp.float32), cp.empty((T, k), dtype=cp.int32)
     if T:
-        kernel = plug.kernel() if plug is not None else load_kernel("moe", "moe_route")
-        kernel((T,), (32,), (logits, weights, experts, np.int32(E), np.int32(k), np.int32(norm_topk_prob)),
-               shared_mem=4 * E)
+        kernel = (plug.kernel(MOE_MAX_EXPERTS=MOE_MAX_EXPERTS) if plug is not None
+                  else load_kernel("moe", "moe_route", MOE_MAX_EXPERTS=MOE_MAX_EXPERTS))
+        kernel((T,), (32,), (logits, weights, experts, np.int32(E), np.int32(k), np.int32(norm_topk_prob)))
     return weights, experts
 
 
@@ -161,10 +161,10 @@ def grouped_experts(h, weights, experts, gate_up, down):
     pair_row = cp.empty(R, dtype=cp.int32)        # the grouped row of pair t*k + j
     tile_expert, tile_start = cp.empty(tiles, dtype=cp.int32), cp.empty(tiles, dtype=cp.int32)
     num_tiles = cp.empty(1, dtype=cp.int32)
-    load_kernel("moe", "moe_group", MOE_TILE_M=MOE_TILE_M)(
+    load_kernel("moe", "moe_group", MOE_TILE_M=MOE_TILE_M, MOE_MAX_EXPERTS=MOE_MAX_EXPERTS)(
         (1,), (GROUP_THREADS,),
         (experts, np.int32(R), np.int32(k), np.int32(E), offsets, row_token, pair_row,
-         tile_expert, tile_start, num_tiles), shared_mem=4 * (2 * E + 1))
+         tile_expert, tile_start, num_tiles))
     gemm = load_kernel("moe", "moe_expert_gemm", MOE_TILE_M=MOE_TILE_M, MOE_TILE_N=MOE_TILE_N)
     tiling = (tile_expert, tile_start, offsets, num_tiles)
 

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #define CUDACPU 1      // a kernel can tell that it runs on the CPU executor (the GPU never defines it)
 
@@ -154,8 +155,9 @@ inline unsigned atomicInc(unsigned* p, unsigned v) { unsigned o = *p; *p = o >= 
 inline unsigned atomicDec(unsigned* p, unsigned v) { unsigned o = *p; *p = (o == 0 || o > v) ? v : o - 1; return o; }
 
 // ------------------------------------------------------------------------------- math and bits
-template <class A, class B> inline auto min(A a, B b) -> decltype(a < b ? a : b) { return b < a ? b : a; }
-template <class A, class B> inline auto max(A a, B b) -> decltype(a < b ? a : b) { return a < b ? b : a; }
+// by value: decltype(a < b ? a : b) of two lvalues of one type is a reference (to a parameter, dangling)
+template <class A, class B> inline std::common_type_t<A, B> min(A a, B b) { return b < a ? b : a; }
+template <class A, class B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 inline float __expf(float x) { return expf(x); }
