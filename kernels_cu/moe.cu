@@ -22,7 +22,7 @@
 //                                         is whatever the atomics give; nothing depends on it, since
 //                                         every grouped row is computed on its own and combined by
 //                                         its position (pair_row), not by its order.
-//   moe_expert_gemm  <<<(ceil(N/MOE_TILE_N), tiles), 16 MOE_TILE_M>>>  y[r] = W_e x[r] for the rows of every tile,
+//   moe_expert_gemm  <<<(tiles, ceil(N/MOE_TILE_N)), 16 MOE_TILE_M>>>  y[r] = W_e x[r] for the rows of every tile,
 //                                         twice: gate_up (x gathered from the tokens) and down (x =
 //                                         swiglu's output, already in grouped order). `tiles` is an
 //                                         upper bound known from T and E alone; blocks past the real
@@ -151,11 +151,11 @@ moe_expert_gemm(const bf16* __restrict__ x,            // [rows of x, K]: tokens
                 const int* __restrict__ offsets, const int* __restrict__ num_tiles,
                 float* __restrict__ y,                 // [R, N]
                 int N, int K) {
-    const int tile = blockIdx.y;
+    const int tile = blockIdx.x;                       // x: up to 2^31 - 1 tiles (y would stop at 65535)
     if (tile >= num_tiles[0]) return;                  // past the real tiles of this step
     const int e = tile_expert[tile], r0 = tile_start[tile];
     const int rows = min(MOE_TILE_M, offsets[e + 1] - r0);
-    const int n0 = blockIdx.x * MOE_TILE_N;
+    const int n0 = blockIdx.y * MOE_TILE_N;
     const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
     const bf16* W = w + (long long)e * N * K;
     __shared__ float xs[MOE_TILE_M][MOE_BK + 1];

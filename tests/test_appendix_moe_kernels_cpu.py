@@ -112,7 +112,7 @@ def test_expert_gemm_computes_each_row_with_its_own_expert(T, E, k, N, K, gather
     want = np.einsum("rk,rnk->rn", source_rows.astype(np.float64), bf16_to_f32(w)[expert_of_row].astype(np.float64))
     inputs = {"x": x, "row_token": row_token, "w": w, "tile_expert": tile_expert, "tile_start": tile_start,
               "offsets": offsets, "num_tiles": num_tiles}
-    grid = (-(-N // MOE_TILE_N), len(tile_expert))
+    grid = (len(tile_expert), -(-N // MOE_TILE_N))
     assert unused or E <= T * k
     for out in launch("moe_expert_gemm", grid, GEMM_THREADS, inputs,
                       lambda d: (d["x"], d["row_token"], np.int32(gather), d["w"], d["tile_expert"], d["tile_start"],

@@ -171,7 +171,7 @@ def grouped_experts(h, weights, experts, gate_up, down):
     def grouped_linear(x, gather: bool, w):      # x [*, K] bf16, w [E, N, K] bf16 -> [R, N] fp32
         N, K = w.shape[1], w.shape[2]
         y = cp.empty((R, N), dtype=cp.float32)
-        gemm((-(-N // MOE_TILE_N), tiles), (GEMM_THREADS,),
+        gemm((tiles, -(-N // MOE_TILE_N)), (GEMM_THREADS,),
              (x, row_token, np.int32(gather), w, *tiling, y, np.int32(N), np.int32(K)))
         return y
 
