@@ -22,8 +22,8 @@
 //                                         is whatever the atomics give; nothing depends on it, since
 //                                         every grouped row is computed on its own and combined by
 //                                         its position (pair_row), not by its order.
-//   moe_expert_gemm  <<<(tiles, ceil(N/MOE_TILE_N)), 16 MOE_TILE_M>>>  y[r] = W_e x[r] for the rows of every tile,
-//                                         twice: gate_up (x gathered from the tokens) and down (x =
+//   moe_expert_gemm  <<<(tiles, ceil(N / MOE_TILE_N)), 16 MOE_TILE_M>>>
+//                                         y[r] = W_e x[r] for the rows of every tile, twice: gate_up (x gathered from the tokens) and down (x =
 //                                         swiglu's output, already in grouped order). `tiles` is an
 //                                         upper bound known from T and E alone; blocks past the real
 //                                         count (num_tiles, on the device) return at once, so the

@@ -3,7 +3,7 @@
 Per token x [H], on a sparse layer:
     logits = x @ router^T                        [E]
     p      = softmax(logits)                     over all E experts
-    top    = the k largest p (ties: the lower expert index first)
+    top    = the k largest p (ties: the lower expert index first; torch.topk leaves ties unspecified)
     w      = p[top] / sum(p[top])                only when norm_topk_prob; else p[top] as they are
     out    = sum_j w_j * down_e( silu(gate_e(x)) * up_e(x) ),  e = top_j
 transformers' Qwen3MoeTopKRouter in this order: softmax over all E first, top-k of the probabilities,
