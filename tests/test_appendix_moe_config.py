@@ -8,7 +8,7 @@ import pytest
 from helpers.oracle import needs_transformers
 
 from engine.formats.config import ConfigError, config_from_dict, load_config, sparse_layers
-from engine.model.random_model import _QWEN3_30B_A3B, PRESETS
+from engine.model.random_model import PRESETS
 from engine.model.weights import expected_shapes
 
 MOE, MOE_UNTIED = PRESETS["tiny-qwen3-moe"], PRESETS["tiny-qwen3-moe-mqa-untied"]
@@ -56,7 +56,7 @@ def test_no_experts_means_every_layer_dense():
 
 def test_the_real_shape_has_the_published_sizes():
     """Qwen3-30B-A3B: 30.5B parameters, 3.3B of them active per token."""
-    c = config_from_dict({**_QWEN3_30B_A3B, "num_hidden_layers": 48})
+    c = config_from_dict({**PRESETS["qwen3-30b-a3b-4l"], "num_hidden_layers": 48})
     assert 30.5e9 <= c.num_parameters() < 30.6e9 and 3.3e9 <= c.num_parameters(active=True) < 3.4e9
     four = config_from_dict(PRESETS["qwen3-30b-a3b-4l"])
     assert four.moe == c.moe.__class__(**{**c.moe.__dict__, "sparse_layers": (0, 1, 2, 3)})
