@@ -60,3 +60,10 @@ def test_in_the_model(capsys):
         raise NotImplementedError
     assert not check_router_in_model(todo)
     assert "not attempted" in capsys.readouterr().out
+
+
+def test_the_dense_default_model_refuses_to_check_a_router():
+    """SmolLM2 has no experts: the whole-model checker would say 'match' for a router it never ran."""
+    from engine.exercises.model_check import check_in_model
+    with pytest.raises(ValueError, match="check_router_in_model"):
+        check_in_model({"moe_router": router_ref})

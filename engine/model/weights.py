@@ -2,7 +2,9 @@
 
 Every expected tensor must be present with its exact shape, and an unexpected tensor is an error:
 a checkpoint that does not match its config.json is refused, never half-loaded. q/k/v and
-gate/up are fused into one matrix each here, once, so each is a single GEMM at run time.
+gate/up are fused into one matrix each here, once, so each is a single GEMM at run time. A
+Qwen3-MoE sparse layer's experts are stacked into [E, 2*Ie, H] and [E, H, Ie], from either layout a
+checkpoint holds them in (EXPERT_LAYOUTS).
 
 CPU backend: float32 arrays (bf16 -> fp32 is exact). GPU backend: matrices stay bf16 on the device
 (uint16 bits, copied straight from the file mapping into their slice of the fused matrix); the
