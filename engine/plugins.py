@@ -83,6 +83,13 @@ STAGES: dict[str, Stage] = {
         "swiglu<<<min(ceil(T*I / 256), 65535), 256>>>(const float* gate_up, bf16* out, long long n = T*I, "
         "int I)",
         ("swiglu", "swiglu")),
+    "moe_router": Stage(
+        "fn(logits [T, E] float32, k int, norm_topk_prob bool) -> (weights [T, k] float32, experts [T, k] int): "
+        "each token's k experts of highest softmax probability, best first, and their weights (renormalised "
+        "to sum to 1 when norm_topk_prob); called once per sparse layer of a mixture-of-experts model",
+        "moe_route<<<T, 32>>>(const float* logits, float* weights, int* experts, int E, int k, int norm_topk_prob), "
+        "compiled with -DMOE_MAX_EXPERTS=1024 (E is at most that)",
+        ("moe", "moe_route"), "MOE_MAX_EXPERTS"),
     "sampling": Stage(
         "fn(logits [V] float32, temperature, top_k, top_p, u) -> int token id: one row (temperature 0 = "
         "greedy; u in [0, 1) is the row's uniform draw)",

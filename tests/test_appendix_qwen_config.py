@@ -49,7 +49,7 @@ REFUSED = {
     "dynamic rope": ({**QWEN3, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     "mlp bias": ({**QWEN2, "mlp_bias": True}, "mlp_bias"),
     "wrong architecture": ({**QWEN2, "architectures": ["Qwen3ForCausalLM"]}, "unsupported model"),
-    "moe": ({**QWEN3, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "unsupported model"),
+    "qwen2 moe": ({**QWEN2, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "unsupported model"),
     "partial rotary": ({**QWEN3, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     "sliding window not an int": ({**QWEN2, "sliding_window": "4096"}, "sliding_window"),
     "use_sliding_window not a bool": ({**QWEN2, "use_sliding_window": "false"}, "use_sliding_window"),

@@ -7,7 +7,8 @@ contiguous/paged, with and without chunked prefill (token budgets smaller than m
 prompt is prefilled over several steps, mixed with running decodes), with all prompts submitted at
 once or arriving between steps, and pools so small that requests must wait (conservative admission)
 or be preempted and recomputed (on-demand).
-Each model family runs the workloads: Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms).
+Each model family runs the workloads: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Qwen3-MoE
+(experts on its sparse layers: a token's routing must not depend on what else is in its batch).
 """
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from engine.runtime.sampling_params import SamplingParams
 MAX_CONTEXT = 32                 # prompts up to 20 + outputs up to 12: some requests reach the end
 # (family, seed): every seed on Llama, two on each Qwen family
 WORKLOADS = [("llama", 0), ("llama", 1), ("llama", 2), ("llama", 3),
-             ("qwen2", 1), ("qwen2", 2), ("qwen3", 0), ("qwen3", 1)]
+             ("qwen2", 1), ("qwen2", 2), ("qwen3", 0), ("qwen3", 1), ("qwen3_moe", 0), ("qwen3_moe", 1)]
 
 # (batching, kv_cache, extra LLM arguments); LLM chunks prefills by default
 ROOMY = [

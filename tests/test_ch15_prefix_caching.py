@@ -377,20 +377,22 @@ def test_a_page_key_without_its_parent_serves_wrong_pages():
 
 # ---- engine.LLM on the NumPy backend ---------------------------------------------------------
 
-def test_llm_gives_the_same_tokens_with_and_without_the_cache():
-    from helpers.oracle import gen_model_dir
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_llm_gives_the_same_tokens_with_and_without_the_cache(family):
+    from helpers.oracle import GEN_CONFIGS, gen_model_dir
 
     from engine.runtime.llm import LLM
     from engine.runtime.sampling_params import SamplingParams
     rng = np.random.default_rng(15)
-    system = rng.integers(0, 331, size=37).tolist()
-    prompts = [system + rng.integers(0, 331, size=int(rng.integers(1, 9))).tolist() for _ in range(10)]
+    vocab = GEN_CONFIGS[family]["vocab_size"]
+    system = rng.integers(0, vocab, size=37).tolist()
+    prompts = [system + rng.integers(0, vocab, size=int(rng.integers(1, 9))).tolist() for _ in range(10)]
     prompts += [prompts[0], prompts[3][:32]]          # a repeat, and a page-aligned prefix of one
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3)
     outputs = {}
     for caching in (False, True):
-        llm = LLM(gen_model_dir(), backend="numpy", max_context=64, max_seqs=3, page_size=4,
+        llm = LLM(gen_model_dir(family=family), backend="numpy", max_context=64, max_seqs=3, page_size=4,
                   prefix_caching=caching)
         assert llm.prefix_caching is caching
         first = llm.generate(prompts[:1], greedy)      # the system prompt is cached before the rest

@@ -306,7 +306,8 @@ def test_a_cut_stream_in_the_interactive_chat_is_one_line(cutting_server, monkey
 
 # ---- python -m engine.random_model: a directory the chat accepts ---------------------------------------
 
-@pytest.mark.parametrize("preset, shape", [("llama-3.2-1b", "tiny"), ("qwen3-0.6b", "tiny-qwen3")])
+@pytest.mark.parametrize("preset, shape", [("llama-3.2-1b", "tiny"), ("qwen3-0.6b", "tiny-qwen3"),
+                                           ("qwen3-30b-a3b-4l", "tiny-qwen3-moe")])
 def test_a_random_model_with_its_family_tokenizer_is_a_chat_model(tmp_path, preset, shape):
     """The preset's vocabulary on a tiny shape (a step costs milliseconds), then the family's tokenizer:
     engine.chat loads it, renders the template and answers (random tokens)."""

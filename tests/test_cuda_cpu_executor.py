@@ -171,6 +171,18 @@ def run_probe(p: Probe, dtype="f32", runs=3):
     return [r[:p.want.size].reshape(p.want.shape) for r in outcome.runs], outcome
 
 
+def test_min_and_max_return_values_not_references():
+    """min/max of two ints (lvalues of one type) once returned a reference to a parameter: garbage."""
+    source = r'''extern "C" __global__ void minmax(const int* a, float* out) {
+    const int x = a[0], y = a[1];
+    out[0] = min(x, y); out[1] = max(x, y); out[2] = min(16, y); out[3] = max(2.5f, x);
+}'''
+    p = Probe(source, "minmax", (1,), 1, {"a": np.array([7, 3], np.int32)}, lambda d: (d["a"], d["out"]),
+              np.zeros((1, 4), np.float32))
+    (got, *_), _ = run_probe(p)
+    assert got.reshape(-1).view(np.float32).tolist() == [3.0, 7.0, 3.0, 7.0]
+
+
 def test_bf16_conversion_rounds_to_nearest_even_as_the_engine_does():
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 100,
@@ -240,13 +252,3 @@ def test_syncthreads_is_a_real_barrier_and_its_absence_shows(sync):
     else:     # unwritten shared memory holds the poison, and the three thread orders disagree
         assert not all(np.array_equal(g, p.want) for g in got)
 
-
-def test_min_and_max_return_values_not_references():
-    """min(16, n - c) of two ints once returned a reference to a parameter gone out of scope (garbage)."""
-    source = ('extern "C" __global__ void probe(float* out) { int n = 1 + (int)threadIdx.x, c = 0;'
-              ' out[threadIdx.x] = (float)(min(16, n - c) * 100 + max(n - c, 3)); }')
-    so = cuda_cpu.build(source, "probe.cu", "probe", {})
-    case = Case("probe", (1,), 32, {}, lambda d: (d["out"],), "f32", np.ones((1, 32), np.float32))
-    outcome = cuda_cpu.run_case(so, "probe", case, 1, POISON["f32"], cuda_check.BITS["f32"])
-    n = np.arange(1, 33)
-    np.testing.assert_array_equal(outcome.runs[0][:32].view(np.float32), np.minimum(16, n) * 100 + np.maximum(n, 3))

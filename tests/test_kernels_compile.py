@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import gpu_compile
-from engine.ops import argmax, flash_attention, gemv, paged_attention, quant_gemv, sampling
+from engine.ops import argmax, flash_attention, gemv, moe, paged_attention, quant_gemv, sampling
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels_cu"
 # the engine's kernels, then the GPU track's skeletons (they must compile before the learner starts) and solutions
@@ -31,6 +31,7 @@ LAUNCH_CONSTANTS = {
     "quant_gemv.cu": {"QGEMV_MAX_ROWS": quant_gemv.QGEMV_MAX_ROWS, "QGEMV_WARPS": quant_gemv.QGEMV_WARPS,
                       "QGEMV_UNROLL": quant_gemv.QGEMV_UNROLL, "QMMA_WARPS": quant_gemv.QMMA_WARPS,
                       "QMMA_UNROLL": quant_gemv.QMMA_UNROLL, "QMMA_MIN_BLOCKS": quant_gemv.QMMA_MIN_BLOCKS},
+    "moe.cu": {"MOE_TILE_M": moe.MOE_TILE_M, "MOE_TILE_N": moe.MOE_TILE_N, "MOE_MAX_EXPERTS": moe.MOE_MAX_EXPERTS},
 }
 # ... and for the kernels specialized per model shape, every shape the engine compiles them for
 VARIANTS = {

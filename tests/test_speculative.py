@@ -339,7 +339,7 @@ def test_a_verify_row_cut_into_decode_rows_computes_the_same_logits(tiny_dir):
     np.testing.assert_allclose(as_rows[1:], alone, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3-mqa-untied"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3-mqa-untied", "tiny-qwen3-moe-mqa-untied"])
 def test_greedy_outputs_are_the_outputs_without_speculation(tmp_path, preset, both_schedulings):
     model_dir = write_random_model(tmp_path / preset, preset, seed=2)
     plain, fast = greedy_pair(model_dir, max_seqs=4)

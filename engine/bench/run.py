@@ -192,7 +192,7 @@ def scenario_decode(args, setup, model, hf, ceiling_gbps, model_dir=None):
     n_decode = len(stamps) - 1
     cfg = model.config
     bytes_per_value = 2 if model.backend.is_gpu else 4
-    weight_bytes = cfg.num_parameters() * bytes_per_value
+    weight_bytes = cfg.num_parameters(active=True) * bytes_per_value   # a mixture of experts: k of E per layer
     avg_ctx = args.prompt_len + n_decode / 2
     kv_bytes = avg_ctx * cfg.kv_bytes_per_token(bytes_per_value)
     step = decode_s / max(n_decode, 1)
@@ -229,9 +229,11 @@ def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops:
     and multiplies its tokens by the weights: 2 FLOPs per weight per token for the layers, the LM
     head only for the rows that sample (at the measured GEMM rate; attention FLOPs left out).
     Whichever takes longer. No host time, no launch gaps, no kernel below the roofline: the engine's
-    time over this is what it leaves on the table."""
+    time over this is what it leaves on the table. A mixture of experts counts its active parameters
+    (each token's k experts, which its FLOPs are exactly; a step with many tokens reads more experts
+    than that, so for memory it is a lower bound)."""
     head = cfg.vocab_size * cfg.hidden_size                     # the LM head (the table itself when tied)
-    layers = cfg.num_parameters() - head * (1 if cfg.tie_word_embeddings else 2)
+    layers = cfg.num_parameters(active=True) - head * (1 if cfg.tie_word_embeddings else 2)
     weights = (layers + head) * bytes_per_value
     per_token_kv = cfg.kv_bytes_per_token(bytes_per_value)
     total = 0.0
@@ -539,6 +541,9 @@ def main(argv=None) -> int:
     setup = {"model": args.preset or Path(model_dir).name, "params_m": round(cfg.num_parameters() / 1e6, 1),
              "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
              "kv_heads": cfg.num_key_value_heads, "backend": backend.name, "device": device_name(backend)}
+    if cfg.moe is not None:
+        setup.update(active_params_m=round(cfg.num_parameters(active=True) / 1e6, 1), experts=cfg.moe.num_experts,
+                     experts_per_token=cfg.moe.experts_per_token)
     ceiling = copy_bandwidth(backend)
     emit({**setup, "scenario": "setup", "copy_gbps": round(ceiling, 1), "python": platform.python_version(),
           "numpy": np.__version__})

@@ -25,7 +25,7 @@ import engine.model.forward_pass as model_module
 from engine.model.forward_pass import ForwardBatch
 
 TIMED = ("embedding", "rmsnorm", "add_rmsnorm", "linear", "rope_qkv", "kv_write", "paged_attention",
-         "flash_attention", "swiglu")
+         "flash_attention", "swiglu", "moe")
 
 _SLEEP_SOURCE = r"""
 extern "C" __global__ void sleep_ns(unsigned long long ns) {   // one thread keeps the stream busy
@@ -43,8 +43,9 @@ class OpTimer:
         w = model.weights
         self.weight_names = {id(w.lm_head): "lm_head"}
         for lw in w.layers:
-            self.weight_names.update({id(lw.qkv): "linear qkv", id(lw.o): "linear o",
-                                      id(lw.gate_up): "linear gate_up", id(lw.down): "linear down"})
+            self.weight_names.update({id(lw.qkv): "linear qkv", id(lw.o): "linear o"})
+            if lw.moe is None:     # a sparse layer's MLP is one "moe" call (its router and experts inside)
+                self.weight_names.update({id(lw.gate_up): "linear gate_up", id(lw.down): "linear down"})
         self.records: list[tuple[str, object, object, int]] = []
 
     def mark(self):
@@ -94,6 +95,11 @@ class OpTimer:
         if name == "swiglu":
             T, I2 = args[0].shape
             return name, T * I2 * 4 + T * I2 // 2 * act
+        if name == "moe":          # the router and the chosen experts: at most T*k of them (tokens may share)
+            T, H = args[0].shape
+            m, itemsize = cfg.moe, args[1].router.itemsize
+            chosen = min(T * m.experts_per_token, m.num_experts)
+            return name, (m.num_experts + 3 * chosen * m.expert_intermediate_size) * H * itemsize + T * H * (act + 4)
         return name, 0
 
     def wrap(self, name: str, fn):

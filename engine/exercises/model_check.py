@@ -225,6 +225,9 @@ def check_in_model(yours: dict[str, Callable], prompt: str = DEFAULT_PROMPT, max
     unknown = sorted(set(yours) - set(STAGES))
     if unknown or not yours:
         raise ValueError(f"stages must be a non-empty dict over {', '.join(STAGES)}; unknown: {unknown}")
+    if "moe_router" in yours:      # SmolLM2 is dense: the router would never run, and 'match' would mean nothing
+        raise ValueError("the default model has no experts, so a moe_router never runs in it: check it with "
+                         "engine.exercises.appendix_moe.check_router_in_model")
     names = ", ".join(yours)
     model, tok = _default_model(model_dir, max_context)
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)

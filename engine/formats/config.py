@@ -1,10 +1,12 @@
 """Model configuration: config.json (+ generation_config.json) -> a validated dataclass (chapter 01).
 
-Three families share one forward pass, selected by config.json's `model_type` / `architectures`:
+Four families share one forward pass, selected by config.json's `model_type` / `architectures`:
   * llama  (`LlamaForCausalLM`: Llama 3.x, SmolLM2): the baseline;
   * qwen2  (`Qwen2ForCausalLM`: Qwen2, Qwen2.5): + a bias on the q, k and v projections (`qkv_bias`);
   * qwen3  (`Qwen3ForCausalLM`): + an RMSNorm over each q and k head before RoPE (`qk_norm`), and a
-    head_dim of its own (128 when config.json does not say).
+    head_dim of its own (128 when config.json does not say);
+  * qwen3_moe (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, and on the
+    sparse layers a mixture of experts in place of the MLP (`moe`: MoeSettings, appendix on MoE);
   * qwen3_5_text (`Qwen3_5ForCausalLM`, and the text model of a `qwen3_5` directory): a hybrid, see
     HybridConfig: `layer_types` mixes Gated DeltaNet (`linear_attention`) layers with full-attention
     layers that have a query gate, q/k norms and partial rotary embeddings.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine.checks import is_int, is_real
@@ -57,6 +59,19 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoeSettings:
+    """Qwen3-MoE's sparse MLP: a router picks `experts_per_token` of `num_experts` SwiGLU experts
+    (each of width `expert_intermediate_size`) per token, on the layers in `sparse_layers`; the other
+    layers keep the dense MLP of `intermediate_size`."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool               # renormalise the k chosen probabilities to sum to 1
+    sparse_layers: tuple[int, ...]     # layer indices whose MLP is the expert block
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes that fix every tensor's shape (engine/model/weights.py: expected_shapes)."""
 
@@ -70,6 +85,15 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool      # Qwen2: q/k/v projections carry a bias ([qkv_dim] per layer)
     qk_norm: bool       # Qwen3: RMSNorm (weights [head_dim]) over each q and k head before RoPE
+    moe: MoeSettings | None = field(default=None, kw_only=True)   # Qwen3-MoE; None: every MLP is dense
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return 0 if self.moe is None else len(self.moe.sparse_layers)
 
     @property
     def group_size(self) -> int:
@@ -117,12 +141,19 @@ class LlamaConfig(ModelShape):
         """K and V of one token across all layers (Llama-3.2-1B in bf16: 32 KiB)."""
         return 2 * self.kv_layers * self.kv_dim * bytes_per_value
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """Every weight of the model; active=True: those one token reads (a sparse layer's router and
+        its experts_per_token experts, not all num_experts: what a decode step streams per token)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
-        per_layer = h * self.qkv_dim + self.q_dim * h + 3 * h * i + 2 * h
+        per_layer = h * self.qkv_dim + self.q_dim * h + 2 * h
         per_layer += self.qkv_dim * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        mlps = (L - self.num_sparse_layers) * 3 * h * i
+        if self.moe is not None:
+            m = self.moe
+            experts = m.experts_per_token if active else m.num_experts
+            mlps += self.num_sparse_layers * (m.num_experts * h + experts * 3 * h * m.expert_intermediate_size)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + L * per_layer + h + head
+        return self.vocab_size * h + L * per_layer + mlps + h + head
 
     def to_hf_dict(self) -> dict:
         """A config.json dict (older layout) that transformers reads back to the same model."""
@@ -131,9 +162,11 @@ class LlamaConfig(ModelShape):
         if self.model_type != "qwen2":          # Qwen2 always has its q/k/v biases: no key for them
             d.update(attention_bias=False, mlp_bias=False)
         for k, v in asdict(self).items():
-            if k in ("extra", "eos_token_ids", "rope_scaling", "qkv_bias", "qk_norm", "model_type", "awq"):
+            if k in ("extra", "eos_token_ids", "rope_scaling", "qkv_bias", "qk_norm", "model_type", "awq", "moe"):
                 continue
             d[k] = v
+        if self.moe is not None:
+            d.update(moe_hf_keys(self.moe, self.num_hidden_layers))
         d["rope_scaling"] = None if self.rope_scaling is None else {"rope_type": "llama3", **asdict(self.rope_scaling)}
         d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
         if self.awq is not None:
@@ -247,14 +280,16 @@ def _same(value, allowed: tuple) -> bool:
 
 # model_type -> its architecture name. The family fixes the two variations of the forward pass.
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "qwen3_5_text": "Qwen3_5ForCausalLM"}
+            "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 HYBRID_FAMILIES = {"qwen3_5_text"}
-_QKV_BIAS = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_5_text": False}
-_QK_NORM = {"llama": False, "qwen2": False, "qwen3": True, "qwen3_5_text": True}
+_QKV_BIAS = {"llama": False, "qwen2": True, "qwen3": False, "qwen3_moe": False, "qwen3_5_text": False}
+_QK_NORM = {"llama": False, "qwen2": False, "qwen3": True, "qwen3_moe": True, "qwen3_5_text": True}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_5_text": 256}   # transformers' defaults; others: hidden / heads
-# Keys the Qwen families define themselves (checked by _check_sliding_window, not by _NEUTRAL)
+# Keys the Qwen families define themselves (checked by _check_sliding_window and _moe, not by _NEUTRAL)
 _QWEN_OWN = {"qwen2": {"sliding_window", "use_sliding_window", "max_window_layers", "attention_bias"},
              "qwen3": {"sliding_window", "use_sliding_window", "max_window_layers"},
+             "qwen3_moe": {"sliding_window", "use_sliding_window", "max_window_layers", "num_experts",
+                           "num_local_experts"},
              "qwen3_5_text": {"partial_rotary_factor"}}
 
 # Keys that change the math in a way this engine does not implement: each must be absent or hold
@@ -278,6 +313,16 @@ _NEUTRAL = {
     "attention_multiplier": (None,),
     "num_experts": (None, 0),
     "num_local_experts": (None, 0),
+    # mixture-of-experts variants other than Qwen3-MoE's (shared experts, scaled or grouped routing)
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+    "num_shared_experts": (None, 0),
+    "routed_scaling_factor": (None, 1.0, 1),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "first_k_dense_replace": (None, 0),
 }
 
 
@@ -296,19 +341,74 @@ def _check_neutral(d: dict, model_type: str = "llama") -> None:
                           "(every layer must be 'full_attention')")
 
 
-def _check_sliding_window(d: dict, num_layers: int) -> None:
+def _check_sliding_window(d: dict, num_layers: int, family: str) -> None:
     """Qwen2/Qwen3 (transformers' rule): layer i uses a sliding window when use_sliding_window is true,
-    sliding_window is set and i >= max_window_layers. Any such layer is refused; the keys alone, as
-    every Qwen config.json writes them (use_sliding_window: false), change nothing."""
+    sliding_window is set and i >= max_window_layers (Qwen3-MoE: every layer, max_window_layers is not
+    read). Any such layer is refused; the keys alone, as every Qwen config.json writes them
+    (use_sliding_window: false), change nothing."""
     use = read_bool(d, "use_sliding_window", False)
     window = d.get("sliding_window")
     if window is not None:
         read_int(d, "sliding_window", hi=MAX_INT32)
     first = read_int(d, "max_window_layers", 28, lo=0, hi=MAX_INT32)
+    if family == "qwen3_moe":
+        first = 0
     if use and window is not None and first < num_layers and d.get("layer_types") is None:
         raise ConfigError(f"config.json: use_sliding_window=true with sliding_window={window} and "
                           f"max_window_layers={first} puts layers {first}..{num_layers - 1} on sliding-window "
                           "attention, which is not supported")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts (Qwen3-MoE)
+
+MAX_EXPERTS = 2**16        # far past any real model (Qwen3: 128; the largest published: 384)
+# transformers' Qwen3MoeConfig defaults, used where config.json leaves a key out
+_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                 "norm_topk_prob": False, "decoder_sparse_step": 1}
+
+
+def _num_experts(d: dict) -> int:
+    """`num_experts`, or `num_local_experts` (transformers' other name for it); both must agree."""
+    given = {k: d[k] for k in ("num_experts", "num_local_experts") if d.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ConfigError(f"config.json: num_experts={given['num_experts']!r} and num_local_experts="
+                          f"{given['num_local_experts']!r} disagree")
+    key = next(iter(given), "num_experts")
+    return read_int(given or _MOE_DEFAULTS, key, lo=0, hi=MAX_EXPERTS)
+
+
+def sparse_layers(num_layers: int, num_experts: int, step: int, mlp_only: list[int]) -> tuple[int, ...]:
+    """transformers' rule (Qwen3MoeDecoderLayer): layer i is sparse when i is not in mlp_only_layers,
+    num_experts > 0 and (i + 1) % decoder_sparse_step == 0."""
+    return tuple(i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+
+
+def _moe(d: dict, num_layers: int) -> MoeSettings:
+    """A qwen3_moe config's expert settings; the router's auxiliary-loss keys (router_aux_loss_coef,
+    output_router_logits) only matter for training and are not read."""
+    num_experts = _num_experts(d)
+    defaults = {k: d.get(k, v) for k, v in _MOE_DEFAULTS.items()}
+    per_token = read_int(defaults, "num_experts_per_tok", hi=num_experts or MAX_EXPERTS)   # top-k of E
+    step = read_int(defaults, "decoder_sparse_step", hi=MAX_SIZE)
+    mlp_only = d.get("mlp_only_layers")
+    mlp_only = [] if mlp_only is None else mlp_only
+    if (not isinstance(mlp_only, list) or not all(is_int(i) and 0 <= i < num_layers for i in mlp_only)
+            or len(set(mlp_only)) != len(mlp_only)):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of distinct layer indices in "
+                          f"[0, {num_layers}), got {d.get('mlp_only_layers')!r}")
+    return MoeSettings(num_experts=num_experts, experts_per_token=per_token,
+                       expert_intermediate_size=read_int(defaults, "moe_intermediate_size"),
+                       norm_topk_prob=read_bool(defaults, "norm_topk_prob", False),
+                       sparse_layers=sparse_layers(num_layers, num_experts, step, mlp_only))
+
+
+def moe_hf_keys(moe: MoeSettings, num_layers: int) -> dict:
+    """The config.json keys that describe `moe` (the dense layers as mlp_only_layers, step 1)."""
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+            "moe_intermediate_size": moe.expert_intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(num_layers) if i not in moe.sparse_layers]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +500,7 @@ def _check_mrope(rope: dict, where: str) -> None:
 # Sizes, token ids, the whole config
 
 def model_family(d: dict) -> str:
-    """config.json's model_type, checked against its architectures: 'llama', 'qwen2' or 'qwen3'."""
+    """config.json's model_type, checked against its architectures: a key of FAMILIES."""
     if not isinstance(d, dict):
         raise ConfigError("config.json must hold a JSON object")
     model_type, archs = d.get("model_type"), d.get("architectures") or []
@@ -432,12 +532,14 @@ def model_shape(d: dict) -> ModelShape:
         raise ConfigError(f"config.json: head_dim={head_dim} must be even for rotary embeddings")
     if n_heads * head_dim > MAX_SIZE:
         raise ConfigError(f"config.json: num_attention_heads * head_dim = {n_heads * head_dim} is too large")
+    num_layers = read_int(d, "num_hidden_layers")
     return ModelShape(vocab_size=read_int(d, "vocab_size", hi=MAX_INT32), hidden_size=hidden,
                       intermediate_size=read_int(d, "intermediate_size"),
-                      num_hidden_layers=read_int(d, "num_hidden_layers"),
+                      num_hidden_layers=num_layers,
                       num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
                       tie_word_embeddings=read_bool(d, "tie_word_embeddings", False),
-                      qkv_bias=_QKV_BIAS[family], qk_norm=_QK_NORM[family])
+                      qkv_bias=_QKV_BIAS[family], qk_norm=_QK_NORM[family],
+                      moe=_moe(d, num_layers) if family == "qwen3_moe" else None)
 
 
 def _token_ids(v, key: str, vocab_size: int) -> tuple[int, ...]:
@@ -482,15 +584,19 @@ def config_from_dict(d: dict, generation_config: dict | None = None) -> LlamaCon
     _check_neutral(d, family)
     shape = model_shape(d)
     if family != "llama":
-        _check_sliding_window(d, shape.num_hidden_layers)
+        _check_sliding_window(d, shape.num_hidden_layers, family)
     max_positions = read_int(d, "max_position_embeddings", 2048, lo=2, hi=MAX_INT32)
     theta, scaling = _rope(d, max_positions)
     bos, eos = _special_ids(d, generation_config, shape.vocab_size)
+    awq = _awq(d)
+    if awq is not None and shape.moe is not None:
+        raise ConfigError("config.json: quantization_config on a mixture-of-experts model is not supported "
+                          "(the experts are read as float weights only)")
     return LlamaConfig(
-        **asdict(shape),
+        **{f.name: getattr(shape, f.name) for f in fields(shape)},     # (asdict would turn moe into a dict)
         rms_norm_eps=read_float(d, "rms_norm_eps", 1e-6, 1e-12, 1.0, lo_open=False),
         rope_theta=theta, max_position_embeddings=max_positions, rope_scaling=scaling,
-        bos_token_id=bos, eos_token_ids=eos, model_type=family, awq=_awq(d), extra=d,
+        bos_token_id=bos, eos_token_ids=eos, model_type=family, awq=awq, extra=d,
     )
 
 

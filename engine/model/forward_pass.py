@@ -1,5 +1,6 @@
-"""The whole forward pass of the Llama family (and Qwen2 / Qwen3, two switches of it), composed from the ops
-(chapter 07; the appendix on model families).
+"""The whole forward pass of the Llama family (and Qwen2 / Qwen3, two switches of it, and Qwen3-MoE, whose
+sparse layers route each token to a few experts in place of the MLP), composed from the ops (chapter 07;
+the appendices on model families and on mixture of experts).
 
 The same code runs on both backends: each op runs its NumPy reference on NumPy arrays and its CUDA
 kernel on CuPy arrays. The input is a `ForwardBatch`: the token ids of one or more sequences packed
@@ -29,6 +30,7 @@ from engine.ops.embedding import check_ids, embedding
 from engine.ops.flash_attention import flash_attention, kernel_supports
 from engine.ops.kv_write import kv_write
 from engine.ops.linear import linear
+from engine.ops.moe import check_gpu_moe, moe
 from engine.ops.paged_attention import check_gpu_shape, paged_attention
 from engine.ops.rmsnorm import add_rmsnorm, rmsnorm
 from engine.ops.rope import rope_qkv, rope_tables
@@ -141,6 +143,7 @@ def check_backend_runs(config: LlamaConfig, backend: Backend) -> None:
                           "load it with backend='numpy'")
     if backend.is_gpu:
         check_gpu_shape(config)
+        check_gpu_moe(config)
 
 
 class Model:
@@ -231,9 +234,12 @@ class Model:
             attn = attend(qkv, k_cache, v_cache)                   # [T, Hq*D]
             o = linear(attn, lw.o)                                 # [T, H] fp32
             h = add_rmsnorm(x, o, lw.post_norm, cfg.rms_norm_eps)  # x += o; h = norm(x)
-            # --- MLP block ---
-            gate_up = linear(h, lw.gate_up)                        # [T, 2I] fp32
-            down = linear(swiglu(gate_up), lw.down)                # [T, H] fp32
+            # --- MLP block (on a Qwen3-MoE sparse layer: the router and its chosen experts) ---
+            if lw.moe is not None:
+                down = moe(h, lw.moe, cfg.moe)                     # [T, H] fp32
+            else:
+                gate_up = linear(h, lw.gate_up)                    # [T, 2I] fp32
+                down = linear(swiglu(gate_up), lw.down)            # [T, H] fp32
             next_norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.norm
             h = add_rmsnorm(x, down, next_norm, cfg.rms_norm_eps)  # x += down; h = norm(x) (final norm last)
         if logits_rows is not None:
@@ -274,8 +280,8 @@ class Model:
 
 def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None,
                quantization: str | None = None, group_size: int | None = None) -> Model:
-    """Load a Llama, Qwen2, Qwen3 or Qwen3.5 model directory (config.json + safetensors) on the chosen
-    backend (Qwen3.5: the NumPy backend only).
+    """Load a Llama, Qwen2, Qwen3, Qwen3-MoE or Qwen3.5 model directory (config.json + safetensors) on the
+    chosen backend (Qwen3.5: the NumPy backend only).
 
     quantization "int8" | "int4": every projection quantized on load (weight-only, `group_size` inputs
     per scale and zero point: by default 128, or the largest group below it that the model's sizes

