@@ -221,7 +221,8 @@ class HybridConfig(LlamaConfig):
         """Only the full-attention layers keep K and V per token; a linear layer's state has a fixed size."""
         return len(self.full_attention_layers)
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """Every weight of the model (a dense model: every weight runs for every token, active or not)."""
         h, i = self.hidden_size, self.intermediate_size
         mlp_and_norms = 3 * h * i + 2 * h
         attention = h * (2 * self.q_dim + 2 * self.kv_dim) + self.q_dim * h + 2 * self.head_dim
