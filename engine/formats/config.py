@@ -258,8 +258,9 @@ def _check_neutral(d: dict, model_type: str = "llama") -> None:
 def _check_sliding_window(d: dict, num_layers: int, family: str) -> None:
     """Qwen2/Qwen3 (transformers' rule): layer i uses a sliding window when use_sliding_window is true,
     sliding_window is set and i >= max_window_layers (Qwen3-MoE: every layer; its max_window_layers is
-    checked as an integer and otherwise ignored, as transformers ignores it). Any such layer is refused; the keys alone, as every Qwen config.json writes them
-    (use_sliding_window: false), change nothing."""
+    checked as an integer and otherwise ignored, as transformers ignores it). Any such layer is
+    refused; the keys alone, as every Qwen config.json writes them (use_sliding_window: false), change
+    nothing."""
     use = read_bool(d, "use_sliding_window", False)
     window = d.get("sliding_window")
     if window is not None:
