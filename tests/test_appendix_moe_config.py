@@ -158,3 +158,14 @@ def test_transformers_builds_the_same_layers(tmp_path, preset, override):
                                                     ours.hidden_size)
         assert (block.gate.top_k, block.gate.norm_topk_prob) == (ours.moe.experts_per_token, ours.moe.norm_topk_prob)
     assert ours.num_parameters() == sum(int(np.prod(p.shape)) for p in model.parameters())
+
+
+@needs_transformers
+def test_head_dim_defaults_to_hidden_over_heads_as_in_transformers(tmp_path):
+    """Unlike Qwen3 (128), Qwen3-MoE without a head_dim takes hidden_size / num_attention_heads."""
+    import torch
+    import transformers
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in MOE.items() if k != "head_dim"}))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    assert model.model.layers[0].self_attn.head_dim == load_config(tmp_path).head_dim == 48 // 6

@@ -279,7 +279,8 @@ def _same(value, allowed: tuple) -> bool:
     return any(type(value) is type(a) and value == a for a in allowed)
 
 
-# model_type -> its architecture name. The family fixes the two variations of the forward pass.
+# model_type -> its architecture name. The family fixes the q/k/v bias and the q/k norm; qwen3_moe's
+# experts are described by keys of their own (_moe).
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 HYBRID_FAMILIES = {"qwen3_5_text"}
@@ -344,9 +345,10 @@ def _check_neutral(d: dict, model_type: str = "llama") -> None:
 
 def _check_sliding_window(d: dict, num_layers: int, family: str) -> None:
     """Qwen2/Qwen3 (transformers' rule): layer i uses a sliding window when use_sliding_window is true,
-    sliding_window is set and i >= max_window_layers (Qwen3-MoE: every layer, max_window_layers is not
-    read). Any such layer is refused; the keys alone, as every Qwen config.json writes them
-    (use_sliding_window: false), change nothing."""
+    sliding_window is set and i >= max_window_layers (Qwen3-MoE: every layer; its max_window_layers is
+    checked as an integer and otherwise ignored, as transformers ignores it). Any such layer is
+    refused; the keys alone, as every Qwen config.json writes them (use_sliding_window: false), change
+    nothing."""
     use = read_bool(d, "use_sliding_window", False)
     window = d.get("sliding_window")
     if window is not None:
