@@ -158,7 +158,7 @@ def test_every_exercise_has_a_skeleton_and_a_solution():
         assert "TODO" in text and shown == f"kernels_cu/exercises/{name}.cu"
         solution = (cuda_check.SOLUTIONS_DIR / e.file).read_text()
         assert "TODO" not in solution and f"{e.kernel}(" in solution and f"{e.kernel}(" in text
-    assert cuda_check.read_source("extern \"C\" __global__ void k() {}\n", e)[1] == "your_paged_attention.cu"
+    assert cuda_check.read_source("extern \"C\" __global__ void k() {}\n", e)[1] == f"your_{e.file}"
     with pytest.raises(FileNotFoundError):
         cuda_check.read_source("nowhere/missing.cu", e)
 
