@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from helpers.oracle import (
     FIXTURES,
+    ORACLE_REL_TOL,
+    check_logits,
     fixture_rebuilder,
     greedy_no_cache,
     hf_logits,
@@ -31,7 +33,7 @@ from engine.model.kv_cache import KVCache
 
 INDEX = json.loads((FIXTURES / "qwen3_5_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
-REL_TOL = 1e-4
+REL_TOL = ORACLE_REL_TOL
 REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_qwen3_5_fixtures.py`"
 
 
@@ -39,14 +41,6 @@ REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_qwen3_5_f
 def rebuilt(tmp_path_factory):
     """name -> (model directory, token ids, reference logits), built lazily once per module."""
     return fixture_rebuilder(tmp_path_factory, INDEX, "qwen3_5_oracle")
-
-
-def check_logits(logits, ref, what):
-    assert logits.dtype == np.float32 and logits.shape == ref.shape, (logits.dtype, logits.shape, ref.shape)
-    err = relative_error(logits, ref)
-    assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL:g}"
-    mismatched = np.flatnonzero(np.argmax(logits, -1) != np.argmax(ref, -1))
-    assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
 
 
 def text_config(config: dict) -> dict:

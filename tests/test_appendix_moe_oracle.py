@@ -12,44 +12,34 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers.oracle import FIXTURES, hf_logits, needs_transformers, relative_error, sha256_file
+from helpers.oracle import (
+    FIXTURES,
+    ORACLE_REL_TOL,
+    check_logits,
+    fixture_rebuilder,
+    hf_logits,
+    needs_transformers,
+    relative_error,
+    sha256_file,
+)
 
 from engine.formats.config import ConfigError
 from engine.formats.safetensors import load_file, save_file
 from engine.model.forward_pass import Model, load_model
-from engine.model.random_model import write_random_model
 from engine.model.weights import NonFiniteWeightsError
 from engine.runtime.llm import LLM
 from engine.runtime.sampling_params import SamplingParams
 
 INDEX = json.loads((FIXTURES / "moe_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
-REL_TOL = 1e-4
+REL_TOL = ORACLE_REL_TOL
 REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_moe_fixtures.py`"
 
 
 @pytest.fixture(scope="module")
 def rebuilt(tmp_path_factory):
     """name -> (model directory, token ids, reference logits), built lazily once per module."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            entry = INDEX["models"][name]
-            model_dir = write_random_model(tmp_path_factory.mktemp(name), entry["config"],
-                                           seed=INDEX["seed"], dtype=entry["dtype"])
-            with np.load(FIXTURES / f"moe_oracle_{name}.npz") as f:
-                cache[name] = (model_dir, f["token_ids"], f["logits"])
-        return cache[name]
-    return get
-
-
-def check_logits(logits: np.ndarray, ref: np.ndarray, what: str) -> None:
-    assert logits.dtype == np.float32 and logits.shape == ref.shape, (logits.dtype, logits.shape, ref.shape)
-    err = relative_error(logits, ref)
-    assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL:g}"
-    mismatched = np.flatnonzero(np.argmax(logits, -1) != np.argmax(ref, -1))
-    assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
+    return fixture_rebuilder(tmp_path_factory, INDEX, "moe_oracle")
 
 
 def test_fixtures_cover_the_required_shapes():

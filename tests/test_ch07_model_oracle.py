@@ -12,7 +12,16 @@ import json
 
 import numpy as np
 import pytest
-from helpers.oracle import FIXTURES, fixture_rebuilder, hf_logits, needs_transformers, relative_error, sha256_file
+from helpers.oracle import (
+    FIXTURES,
+    ORACLE_REL_TOL,
+    check_logits,
+    fixture_rebuilder,
+    hf_logits,
+    needs_transformers,
+    relative_error,
+    sha256_file,
+)
 
 from engine.model.forward_pass import Model, load_model
 from engine.runtime.llm import LLM
@@ -20,7 +29,7 @@ from engine.runtime.sampling_params import SamplingParams
 
 INDEX = json.loads((FIXTURES / "model_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
-REL_TOL = 1e-4
+REL_TOL = ORACLE_REL_TOL
 REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_model_fixtures.py`"
 
 
@@ -28,14 +37,6 @@ REGENERATE = "regenerate the fixtures with `python tests/fixtures/make_model_fix
 def rebuilt(tmp_path_factory):
     """name -> (model directory, token ids, reference logits), built lazily once per module."""
     return fixture_rebuilder(tmp_path_factory, INDEX, "model_oracle")
-
-
-def check_logits(logits: np.ndarray, ref: np.ndarray, what: str) -> None:
-    assert logits.dtype == np.float32 and logits.shape == ref.shape, (logits.dtype, logits.shape, ref.shape)
-    err = relative_error(logits, ref)
-    assert err <= REL_TOL, f"{what}: relative error {err:.2e} > {REL_TOL:g}"
-    mismatched = np.flatnonzero(np.argmax(logits, -1) != np.argmax(ref, -1))
-    assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
 
 
 def rope_of(config: dict) -> dict:

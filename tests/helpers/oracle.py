@@ -75,6 +75,18 @@ def fixture_rebuilder(tmp_path_factory, index: dict, prefix: str):
     return get
 
 
+ORACLE_REL_TOL = 1e-4     # the engine's float32 NumPy logits against transformers' float32 ones
+
+
+def check_logits(logits: np.ndarray, ref: np.ndarray, what: str) -> None:
+    """float32 logits within ORACLE_REL_TOL of the reference (relative to its norm), the same argmax everywhere."""
+    assert logits.dtype == np.float32 and logits.shape == ref.shape, (logits.dtype, logits.shape, ref.shape)
+    err = relative_error(logits, ref)
+    assert err <= ORACLE_REL_TOL, f"{what}: relative error {err:.2e} > {ORACLE_REL_TOL:g}"
+    mismatched = np.flatnonzero(np.argmax(logits, -1) != np.argmax(ref, -1))
+    assert mismatched.size == 0, f"{what}: argmax differs at positions {mismatched.tolist()}"
+
+
 def sha256_file(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
