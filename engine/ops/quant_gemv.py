@@ -81,13 +81,17 @@ def _chunked(x, qw: QuantizedWeight, ldx: int) -> bool:
             and ldx % 8 == 0 and x.data.ptr % 16 == 0)
 
 
+def _tensor_core_path(chunked: bool, bits: int, device: int) -> bool:
+    """The tensor-core kernel takes chunked operands on sm_80+, unless a learner's int4 kernel is plugged in."""
+    return chunked and tensor_cores_usable(device) and not (bits == 4 and "quant_gemv" in OVERRIDES)
+
+
 def uses_tensor_cores(x, qw: QuantizedWeight) -> bool:
     """Whether quant_gemv(x, qw) runs the tensor-core kernel (whose W is mma_weight_ref's, not
-    dequantize_ref's): sm_80+, chunked operands, no learner's kernel plugged in for them."""
+    dequantize_ref's)."""
     import cupy as cp
     ldx = row_stride(x, "x", 2, QuantGemvInputError, "quant_gemv")
-    return (_chunked(x, qw, ldx) and tensor_cores_usable(cp.cuda.Device().id)
-            and not (qw.bits == 4 and "quant_gemv" in OVERRIDES))
+    return _tensor_core_path(_chunked(x, qw, ldx), qw.bits, cp.cuda.Device().id)
 
 
 def mma_weight_ref(qw: QuantizedWeight) -> np.ndarray:
@@ -140,14 +144,14 @@ def quant_gemv(x, qw: QuantizedWeight, out=None):
                 ((x, "x", 2), (out, "out", 4)))
     vec = _chunked(x, qw, ldx)
     device = cp.cuda.Device().id
-    plug = OVERRIDES.get("quant_gemv") if qw.bits == 4 else None   # your stage (engine/plugins.py), if active
-    if plug is None and vec and tensor_cores_usable(device):
+    if _tensor_core_path(vec, qw.bits, device):
         blocks, warps = mma_geometry(N, K, qw.bits, sm_count(device))
         tiles = 1 if T <= 8 else 2
         kernel = load_kernel("quant_gemv", f"quant_mma_int{qw.bits}_x{8 * tiles}", **_defines())
         kernel((blocks,), (32 * warps,), (x, np.int64(ldx), qw.qweight, qw.scales, qw.zeros, out, np.int64(ldo),
                                            np.int32(T), np.int32(N), np.int32(K), np.int32(G)))
         return out
+    plug = OVERRIDES.get("quant_gemv") if qw.bits == 4 else None   # your stage (engine/plugins.py), if active
     if plug is not None:
         kernel = plug.kernel(QGEMV_MAX_ROWS=QGEMV_MAX_ROWS, QGEMV_WARPS=QGEMV_WARPS, QGEMV_UNROLL=QGEMV_UNROLL)
     else:
