@@ -8,26 +8,26 @@
 #   4. the 256-request serving workload, greedy and sampled (temperature 0.8, top-k 50, top-p 0.95) on the
 #      Llama-3.2-1B shape in the same run, and a summary: greedy tok/s, sampled tok/s, their ratio.
 # Random weights only (no download): the tests use the tiny presets, the bench the preset's shape.
-# Each part has its time limit (200 + 60 + 60 + 150 s: at most 8 minutes in all).
+# Each part has its time limit (170 + 45 + 45 + 220 s: at most 8 minutes in all).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 G=tests/test_gpu   # (the tests needing the downloaded default model are left out: the GPU machine is offline)
-timeout 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_ch08_sampling_staging.py "$G"_hostile.py \
+timeout 170 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_ch08_sampling_staging.py "$G"_hostile.py \
   "$G"_logits_processing.py::test_processing_and_logprobs_on_the_device_equal_numpy \
   "$G"_logits_processing.py::test_the_engine_follows_the_processed_logits_on_the_gpu \
   "$G"_ch12_engine_loop.py::test_graph_decode_equals_eager_decode "$G"_ch12_engine_loop.py::test_threads_share_one_llm_on_gpu \
   "$G"_ch12_engine_loop.py::test_async_scheduling_gives_the_tokens_of_one_step_at_a_time \
-  "$G"_model.py::test_serving_paths_agree_on_gpu "$G"_model.py::test_seeded_sampling_reproducible_on_gpu \
+  "$G"_model.py::test_seeded_sampling_reproducible_on_gpu \
   "$G"_speculative.py::test_device_verification_equals_numpy_on_the_same_logits \
   "$G"_speculative.py::test_seeded_sampling_with_speculation_reproduces_itself \
   "tests/test_ch03_11_plugins.py::test_gpu_cuda_source_runs_inside_generate_and_the_chat[sampling]" \
   2>&1 | tee "$OUT/pytest_sampling_gpu.txt" | tail -8
-timeout 60 python3 -m engine.kernel_bench --only sampling 2>&1 | tee "$OUT/kernel_bench_sampling.txt" | tail -4
+timeout 45 python3 -m engine.kernel_bench --only sampling 2>&1 | tee "$OUT/kernel_bench_sampling.txt" | tail -4
 # One call of the sampled path at the workload's mean and full batch (137 and 256 rows of 128,256 logits):
 # host time while the device is busy (a host that waits for the device shows the spin's ~0.25 s here) and
 # device time back to back; "before" replays the previous host path (four cp.asarray, isfinite + stack).
-timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/sampling_host_time.txt"
+timeout 45 python3 - <<'PY' 2>&1 | tee "$OUT/sampling_host_time.txt"
 import time
 import cupy as cp
 import numpy as np
@@ -72,7 +72,7 @@ for R in (137, 256):
         device_us = cp.cuda.get_elapsed_time(first, last) / N * 1e3
         print(f"R={R} {name:6s}: host {host_us:6.0f} us per call (device busy), device {device_us:6.0f} us per call")
 PY
-timeout 150 python3 -m engine.bench --preset llama-3.2-1b --backend cupy --scenario serve --requests 256 \
+timeout 220 python3 -m engine.bench --preset llama-3.2-1b --backend cupy --scenario serve --requests 256 \
   --serve-modes continuous+paged continuous+paged+sampled 2>&1 | tee "$OUT/serve_sampled.log" | grep '^{' \
   > "$OUT/serve_sampled.jsonl"
 python3 - "$OUT/serve_sampled.jsonl" <<'EOF'
