@@ -21,6 +21,9 @@
 //                        of the right-hand side per thread; then, one state column per thread,
 //                        v_new = U - W S, o = e^G Q S + P v_new, S <- e^(G_last) S + (K e^(G_last - G))^T v_new.
 //                        The tiles live in static shared memory (~34 KB at Dk = Dv = 128, C = 16).
+//   gated_rmsnorm_silu   one warp per (token, value head): the mixer's output gate,
+//                        rmsnorm(o) * w * silu(z), written bf16 for out_proj
+//   attention_output_gate  the full-attention layers' gate: attn * sigmoid(gate), bf16 for o_proj
 // This is the first, readable rung: the products are plain loops, not tensor-core tiles.
 #include "common.cuh"
 
@@ -239,5 +242,44 @@ extern "C" __global__ void gated_delta_chunked(const float* __restrict__ qkv,   
         }
         S = state_out + st;
         __syncthreads();              // the next chunk overwrites the tiles
+    }
+}
+
+// The mixer's output: y = o * rsqrt(mean(o^2) + eps) * w * silu(z) per value head (Qwen3.5's
+// RMSNormGated: normalise, then gate). One warp per (token, head), strided over the grid's warps.
+extern "C" __global__ void gated_rmsnorm_silu(const float* __restrict__ o,     // [T, Hv * Dv]
+                                              const float* __restrict__ z,     // [T, ldz]: head h at h * Dv
+                                              long long ldz,
+                                              const float* __restrict__ w,     // [Dv]
+                                              bf16* __restrict__ y,            // [T, Hv * Dv]
+                                              int T, int Hv, int Dv, float eps) {
+    const int lane = threadIdx.x & 31;
+    const long long n = (long long)T * Hv, warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long idx = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); idx < n; idx += warps) {
+        const long long t = idx / Hv;
+        const int h = (int)(idx % Hv);
+        const float* x = o + idx * Dv;                  // row t, head h: o is [T, Hv, Dv] contiguous
+        const float* zh = z + t * ldz + (long long)h * Dv;
+        float ss = 0.0f;
+        for (int d = lane; d < Dv; d += 32) ss += x[d] * x[d];
+        const float scale = rsqrtf(warp_sum(ss) / Dv + eps);
+        for (int d = lane; d < Dv; d += 32) {
+            const float zd = zh[d];
+            y[idx * Dv + d] = f2bf(x[d] * scale * w[d] * (zd / (1.0f + expf(-zd))));
+        }
+    }
+}
+
+// The full-attention layers' output gate: y = attn * sigmoid(gate), elementwise, bf16 in and out.
+extern "C" __global__ void attention_output_gate(const bf16* __restrict__ attn,   // [T, n]
+                                                 const float* __restrict__ gate,  // [T, ldg]: columns 0..n-1
+                                                 long long ldg,
+                                                 bf16* __restrict__ y,            // [T, n]
+                                                 int T, int n) {
+    const long long total = (long long)T * n;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const float gv = gate[(idx / n) * ldg + idx % n];
+        y[idx] = f2bf(bf2f(attn[idx]) / (1.0f + expf(-gv)));
     }
 }

@@ -13,16 +13,20 @@ On a GPU the same comparisons run through the CuPy wrappers: tests/test_gpu_appe
 import numpy as np
 import pytest
 
-from engine.backend import KERNELS_DIR
+from engine.backend import KERNELS_DIR, bf16_to_f32, f32_to_bf16
 from engine.exercises.cuda_check import Case
 from engine.exercises.cuda_cpu import executor as cuda_cpu
+from engine.formats.config import config_from_dict
+from engine.model.random_model import PRESETS
 from engine.ops.gated_delta import (
     GDN_THREADS,
     causal_conv1d_ref,
     decay_log,
     gated_delta_recurrent_ref,
+    gated_rmsnorm_ref,
     sigmoid,
 )
+from engine.ops.rope import rope_qk_norm_partial, rope_tables
 
 SOURCE = KERNELS_DIR / "gated_delta.cu"
 POISON = np.uint32(0xFFFFFFFF)
@@ -35,18 +39,20 @@ CU = np.array([0, 1, 18, 21], np.int32)       # three sequences: 1, 17 and 3 tok
 SLOTS = np.array([1, 2, 0], np.int32)         # each sequence's slot in a pool of three
 
 
-def run(kernel: str, grid, inputs: dict, args, n_out: int) -> list[np.ndarray]:
-    """The float32 output [n_out] of each of RUNS launches (the poisoned guard after it checked)."""
-    so = cuda_cpu.build(SOURCE.read_text(), str(SOURCE.relative_to(KERNELS_DIR.parent)), kernel, {})
-    case = Case(label=kernel, grid=grid, block=GDN_THREADS, inputs=inputs, args=args, out_dtype="f32",
+def run(kernel: str, grid, inputs: dict, args, n_out: int, out_dtype: str = "f32", source=SOURCE) -> list[np.ndarray]:
+    """The float32 output [n_out] of each of RUNS launches (the poisoned guard after it checked); a bf16
+    output comes back as the float32 values of its bits."""
+    so = cuda_cpu.build(source.read_text(), str(source.relative_to(KERNELS_DIR.parent)), kernel, {})
+    case = Case(label=kernel, grid=grid, block=GDN_THREADS, inputs=inputs, args=args, out_dtype=out_dtype,
                 want=np.zeros((1, n_out), np.float32))
-    outcome = cuda_cpu.run_case(so, kernel, case, RUNS, POISON, np.uint32)
+    poison, bits_type = (POISON, np.uint32) if out_dtype == "f32" else (np.uint16(0xFFFF), np.uint16)
+    outcome = cuda_cpu.run_case(so, kernel, case, RUNS, poison, bits_type)
     assert outcome.crash is None, outcome.crash
     outs = []
     for bits in outcome.runs:
-        assert (bits[n_out:] == POISON).all(), "a write past the end of the output"
-        assert (bits[:n_out] != POISON).all(), "an output element never written"
-        outs.append(bits[:n_out].view(np.float32))
+        assert (bits[n_out:] == poison).all(), "a write past the end of the output"
+        assert (bits[:n_out] != poison).all(), "an output element never written"
+        outs.append(bits[:n_out].view(np.float32) if out_dtype == "f32" else bf16_to_f32(bits[:n_out]))
     return outs
 
 
@@ -123,3 +129,54 @@ def test_gated_delta(kernel, heads):
     for out in outs:
         close(out[:n_out].reshape(T, Hv, Dv), want_out)
         close(out[n_out:].reshape(pool.shape), want_pool)
+
+
+@pytest.mark.parametrize("Hv,Dv", [(3, 10), (2, 40)])
+def test_gated_rmsnorm_silu(Hv, Dv):
+    """The mixer's output gate per (token, head), z a strided column slice; bf16 out."""
+    rng = np.random.default_rng(Hv * Dv)
+    T, ldz, z_col = 5, Hv * Dv + 7, 4
+    o = (3 * rng.standard_normal((T, Hv * Dv))).astype(np.float32)
+    z = rng.standard_normal((T, ldz)).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(Dv)).astype(np.float32)
+    n = T * Hv * Dv
+    outs = run("gated_rmsnorm_silu", (2,), {"o": o, "z": z[:, z_col:].copy(), "w": w},
+               lambda d: (d["o"], d["z"], np.int64(ldz - z_col), d["w"], d["out"], np.int32(T), np.int32(Hv),
+                          np.int32(Dv), np.float32(1e-6)), n, out_dtype="bf16")
+    want = gated_rmsnorm_ref(o.reshape(T, Hv, Dv), z[:, z_col:z_col + Hv * Dv].reshape(T, Hv, Dv), w, 1e-6)
+    for out in outs:
+        close(out.reshape(T, Hv, Dv), want, 8e-3)
+
+
+def test_attention_output_gate():
+    rng = np.random.default_rng(5)
+    T, n, ldg = 6, 70, 81
+    attn = f32_to_bf16(rng.standard_normal((T, n)).astype(np.float32))
+    gate = (4 * rng.standard_normal((T, ldg))).astype(np.float32)
+    outs = run("attention_output_gate", (2,), {"attn": attn, "gate": gate},
+               lambda d: (d["attn"], d["gate"], np.int64(ldg), d["out"], np.int32(T), np.int32(n)), T * n,
+               out_dtype="bf16")
+    for out in outs:
+        close(out.reshape(T, n), bf16_to_f32(attn) * sigmoid(gate[:, :n]), 8e-3)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-qwen3.5-mqa-untied"])
+def test_partial_rotary_qk_norm(preset):
+    """kernels_cu/rope.cu's rope_qkv_bias_norm with R < D (Qwen3.5's full-attention heads: q/k norm, the
+    first R dims rotated, the rest passed through; input rows hold the gate after v) vs the host path."""
+    cfg = config_from_dict(PRESETS[preset])
+    rng = np.random.default_rng(len(preset))
+    T, D = 5, cfg.head_dim
+    qkvg = (3 * rng.standard_normal((T, 2 * cfg.q_dim + 2 * cfg.kv_dim))).astype(np.float32)
+    pos = rng.integers(0, 100, T).astype(np.int32)
+    cos, sin = rope_tables(cfg, 128)
+    qn, kn = (1 + 0.2 * rng.standard_normal((2, D))).astype(np.float32)
+    n = T * (cfg.q_dim + 2 * cfg.kv_dim)
+    outs = run("rope_qkv_bias_norm", (T,), {"qkvg": qkvg, "pos": pos, "cos": cos, "sin": sin, "qn": qn, "kn": kn},
+               lambda d: (d["qkvg"], d["cos"], d["qn"], d["kn"], d["pos"], d["cos"], d["sin"], d["out"],
+                          np.int32(cfg.num_attention_heads), np.int32(cfg.num_key_value_heads), np.int32(D),
+                          np.int32(cfg.rotary_dim), np.int64(qkvg.shape[1]), np.float32(cfg.rms_norm_eps),
+                          np.int32(0), np.int32(1)), n, out_dtype="bf16", source=KERNELS_DIR / "rope.cu")
+    want = rope_qk_norm_partial(qkvg, pos, cos, sin, cfg, qn, kn)
+    for out in outs:
+        close(out.reshape(T, -1), want, 8e-3)

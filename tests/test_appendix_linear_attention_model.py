@@ -24,12 +24,13 @@ from helpers.oracle import (
     sha256_file,
 )
 
-from engine.formats.config import ConfigError
+from engine.formats.config import ConfigError, config_from_dict
 from engine.formats.safetensors import load_file, save_file
 from engine.model import hybrid_forward
 from engine.model.forward_pass import ForwardBatch, Model, check_backend_runs, load_model
 from engine.model.hybrid_weights import GatedAttentionLayer, LinearAttentionLayer
 from engine.model.kv_cache import KVCache
+from engine.model.random_model import PRESETS
 
 INDEX = json.loads((FIXTURES / "qwen3_5_oracle_index.json").read_text())
 NAMES = sorted(INDEX["models"])
@@ -148,8 +149,11 @@ def test_logits_are_causal_and_packed_sequences_independent(rebuilt):
 
 def test_what_is_not_supported_is_refused(rebuilt):
     model_dir, _, _ = rebuilt("tiny-qwen3.5")
-    with pytest.raises(ConfigError, match="NumPy backend only"):
-        check_backend_runs(load_model(model_dir, backend="numpy").config, SimpleNamespace(is_gpu=True))
+    gpu = SimpleNamespace(is_gpu=True)
+    check_backend_runs(load_model(model_dir, backend="numpy").config, gpu)       # the GPU runs it
+    for wide in (dict(linear_key_head_dim=160), dict(linear_value_head_dim=136), dict(linear_conv_kernel_dim=9)):
+        with pytest.raises(ConfigError, match="Gated DeltaNet kernels take"):
+            check_backend_runs(config_from_dict({**PRESETS["tiny-qwen3.5"], **wide}), gpu)
     with pytest.raises(ConfigError, match="quantization"):
         load_model(model_dir, backend="numpy", quantization="int8")
     model = load_model(model_dir, backend="numpy")

@@ -60,7 +60,7 @@ import numpy as np
 from engine.backend import BACKENDS, copy_bandwidth, gemm_tflops, resolve_backend
 from engine.bench import prefix
 from engine.bench.workload import emit, forward_seconds, llm_decode_tok_per_s, random_prompt, serve_workload, warm_up_requests
-from engine.formats.config import load_config
+from engine.formats.config import HybridConfig, load_config
 
 SCENARIOS = ("parity", "prefill", "decode", "serve", "serve-oversubscribed", "serve-http", "long-prefill",
              "chunked-itl", "shared-prefix", "chat-turns", "fair-flood", "spec-decode", "structured", "quantized")
@@ -174,35 +174,43 @@ def engine_decode_tok_per_s(model_dir, backend, ids, new_tokens: int, max_contex
     return tok_per_s, overlapped
 
 
-def scenario_decode(args, setup, model, hf, ceiling_gbps, model_dir=None):
+def chat_session_decode(model, ids, new_tokens: int) -> tuple[float, float, int]:
+    """Batch-1 decode through chapter 08's ChatSession: (prefill seconds, decode seconds, decode steps)."""
     from engine.runtime.chat_session import ChatSession
     from engine.runtime.sampling_params import SamplingParams
-    rng = np.random.default_rng(2)
-    ids = random_prompt(rng, args.prompt_len, model.config.vocab_size)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     session = ChatSession(model)
     list(session.stream(ids, SamplingParams(max_new_tokens=4, ignore_eos=True)))     # warm-up
     session.reset()
     stamps = []
     t0 = time.perf_counter()
-    for _ in session.stream(ids, params):
+    for _ in session.stream(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)):
         stamps.append(time.perf_counter())
-    prefill_s = stamps[0] - t0
-    decode_s = stamps[-1] - stamps[0]
-    n_decode = len(stamps) - 1
+    return stamps[0] - t0, stamps[-1] - stamps[0], len(stamps) - 1
+
+
+def scenario_decode(args, setup, model, hf, ceiling_gbps, model_dir=None):
+    rng = np.random.default_rng(2)
+    ids = random_prompt(rng, args.prompt_len, model.config.vocab_size)
     cfg = model.config
+    rec = {**setup, "scenario": "decode", "batch": 1, "prompt_len": len(ids), "new_tokens": args.new_tokens}
+    if isinstance(cfg, HybridConfig):     # ChatSession keeps K/V only, no recurrent state: LLM alone
+        decode_s = 1 / engine_decode_tok_per_s(model_dir, model.backend, ids, args.new_tokens, model.max_context)[0]
+        n_decode = 1
+    else:
+        prefill_s, decode_s, n_decode = chat_session_decode(model, ids, args.new_tokens)
+        rec["prefill_ms"] = round(prefill_s * 1e3, 2)
     bytes_per_value = 2 if model.backend.is_gpu else 4
     weight_bytes = cfg.num_parameters(active=True) * bytes_per_value   # a mixture of experts: k of E per layer
-    avg_ctx = args.prompt_len + n_decode / 2
-    kv_bytes = avg_ctx * cfg.kv_bytes_per_token(bytes_per_value)
+    avg_ctx = args.prompt_len + args.new_tokens / 2
+    # + a hybrid model's recurrent states, read and written once per step
+    kv_bytes = avg_ctx * cfg.kv_bytes_per_token(bytes_per_value) + 2 * cfg.state_bytes_per_sequence
     step = decode_s / max(n_decode, 1)
-    rec = {**setup, "scenario": "decode", "batch": 1, "prompt_len": len(ids), "new_tokens": len(stamps),
-           "prefill_ms": round(prefill_s * 1e3, 2), "decode_tok_per_s": round(n_decode / decode_s, 1),
-           "ms_per_token": round(step * 1e3, 3), "bytes_per_step_gb": round((weight_bytes + kv_bytes) / 1e9, 3),
-           "achieved_gbps": round((weight_bytes + kv_bytes) / step / 1e9, 1),
-           "ceiling_copy_gbps": round(ceiling_gbps, 1),
-           "floor_tok_per_s": round(ceiling_gbps * 1e9 / (weight_bytes + kv_bytes), 1)}
-    if model_dir is not None:      # the same decode through LLM (what engine.chat.cli and the server run)
+    rec.update({"decode_tok_per_s": round(n_decode / decode_s, 1),
+                "ms_per_token": round(step * 1e3, 3), "bytes_per_step_gb": round((weight_bytes + kv_bytes) / 1e9, 3),
+                "achieved_gbps": round((weight_bytes + kv_bytes) / step / 1e9, 1),
+                "ceiling_copy_gbps": round(ceiling_gbps, 1),
+                "floor_tok_per_s": round(ceiling_gbps * 1e9 / (weight_bytes + kv_bytes), 1)})
+    if model_dir is not None and not isinstance(cfg, HybridConfig):   # the same decode through LLM
         tok_per_s, overlapped = engine_decode_tok_per_s(model_dir, model.backend, ids, args.new_tokens,
                                                         model.max_context)
         rec["engine_decode_tok_per_s"] = round(tok_per_s, 1)
@@ -236,9 +244,10 @@ def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops:
     layers = cfg.num_parameters(active=True) - head * (1 if cfg.tie_word_embeddings else 2)
     weights = (layers + head) * bytes_per_value
     per_token_kv = cfg.kv_bytes_per_token(bytes_per_value)
+    per_row_state = 2 * cfg.state_bytes_per_sequence          # a hybrid model's states, read and written
     total = 0.0
     for entry in log:
-        memory = (weights + entry["context_tokens"] * per_token_kv) / (copy_gbps * 1e9)
+        memory = (weights + entry["context_tokens"] * per_token_kv + entry["rows"] * per_row_state) / (copy_gbps * 1e9)
         flops = 2 * layers * entry["tokens"] + 2 * head * entry["sampled"]
         compute = flops / (tflops * 1e12) if tflops else 0.0
         total += max(memory, compute)

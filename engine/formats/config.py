@@ -141,6 +141,11 @@ class LlamaConfig(ModelShape):
         """K and V of one token across all layers (Llama-3.2-1B in bf16: 32 KiB)."""
         return 2 * self.kv_layers * self.kv_dim * bytes_per_value
 
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """A sequence's memory that does not grow with its length (fp32; none for attention alone)."""
+        return 0
+
     def num_parameters(self, active: bool = False) -> int:
         """Every weight of the model; active=True: those one token reads (a sparse layer's router and
         its experts_per_token experts, not all num_experts: what a decode step streams per token)."""
@@ -220,6 +225,14 @@ class HybridConfig(LlamaConfig):
     def kv_layers(self) -> int:
         """Only the full-attention layers keep K and V per token; a linear layer's state has a fixed size."""
         return len(self.full_attention_layers)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Every linear layer's recurrent state of one sequence, fp32: its conv inputs [K-1, C] and its
+        delta-rule state [Hv, Dk, Dv] (Qwen3.5-0.8B: 18 layers of 1 MiB + 72 KiB)."""
+        per_layer = ((self.linear_conv_kernel_dim - 1) * self.conv_dim
+                     + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim)
+        return 4 * per_layer * (len(self.layer_types) - self.kv_layers)
 
     def num_parameters(self, active: bool = False) -> int:
         """Every weight of the model (a dense model: every weight runs for every token, active or not)."""

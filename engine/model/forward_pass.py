@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.backend import Backend, resolve_backend
 from engine.formats.config import ConfigError, HybridConfig, LlamaConfig, check_serving_args, load_config
-from engine.model.hybrid_forward import hybrid_logits
+from engine.model.hybrid_forward import PooledStates, hybrid_logits
 from engine.model.hybrid_weights import load_hybrid_weights
 from engine.model.kv_cache import KVCache
 from engine.model.weights import load_weights
@@ -28,6 +28,7 @@ from engine.ops.argmax import argmax_rows
 from engine.ops.attention import prefill_attention
 from engine.ops.embedding import check_ids, embedding
 from engine.ops.flash_attention import flash_attention, kernel_supports
+from engine.ops.gated_delta import check_gpu_gated_delta
 from engine.ops.kv_write import kv_write
 from engine.ops.linear import linear
 from engine.ops.moe import check_gpu_moe, moe
@@ -50,7 +51,8 @@ class ForwardBatch:
     logits_rows  [R]       rows whose logits are wanted (None = every row)
     feedback     (index [K] int32 host, ids [K] int32 on the backend) or None: async scheduling's tokens
                  that the previous step sampled; token_ids[index] are placeholders (-1)
-    recurrent    [S] each sequence's RecurrentState (hybrid models with a cache; updated by the pass)
+    recurrent    [S] each sequence's RecurrentState (hybrid models with a cache, CPU; updated by the pass),
+                 or a PooledStates (GPU: each sequence's slot in the device pools)
     """
 
     token_ids: np.ndarray
@@ -60,7 +62,7 @@ class ForwardBatch:
     slot_mapping: np.ndarray | None = None
     logits_rows: np.ndarray | None = None
     feedback: tuple | None = None
-    recurrent: list | None = None
+    recurrent: list | PooledStates | None = None
 
     @property
     def known_token_ids(self) -> np.ndarray:
@@ -137,13 +139,10 @@ def check_vocab_fits(tokenizer, config: LlamaConfig) -> None:
 
 def check_backend_runs(config: LlamaConfig, backend: Backend) -> None:
     """ConfigError unless this backend runs every layer of the model."""
-    if backend.is_gpu and isinstance(config, HybridConfig):
-        raise ConfigError(f"{config.model_type}: the model runs on the NumPy backend only (the Gated DeltaNet "
-                          "kernels of kernels_cu/gated_delta.cu are not wired into its forward pass yet); "
-                          "load it with backend='numpy'")
     if backend.is_gpu:
         check_gpu_shape(config)
         check_gpu_moe(config)
+        check_gpu_gated_delta(config)
 
 
 class Model:
@@ -193,13 +192,16 @@ class Model:
         dev = self._to_backend                                     # host int32 -> device once per step
         cached = cache is not None and not batch.fresh
         ids = batch.with_feedback(dev(batch.token_ids))
+        recurrent = batch.recurrent
+        if isinstance(recurrent, PooledStates):                    # GPU: each sequence's slot in the pools
+            recurrent = PooledStates(recurrent.pools, dev(np.asarray(recurrent.slots, dtype=np.int32)))
         return self.run(
             ids, dev(batch.positions), batch.cu_seqlens, cache,
             slots=dev(batch.slot_mapping) if cache is not None else None,
             tables=dev(batch.page_tables) if cached else None,
             seq_idx=dev(batch.seq_idx) if cached else None,
             longest=int(batch.positions.max()) + 1 if cached else None,
-            logits_rows=None if batch.logits_rows is None else dev(batch.logits_rows), recurrent=batch.recurrent)
+            logits_rows=None if batch.logits_rows is None else dev(batch.logits_rows), recurrent=recurrent)
 
     def run(self, ids, pos, cu_seqlens, cache=None, *, slots=None, tables=None, seq_idx=None,
             longest=None, logits_rows=None, recurrent=None):
@@ -211,15 +213,17 @@ class Model:
         host, brings several tokens) runs tiled flash attention: on fresh prompts over the batch's
         own K/V, and with `tables` (a chunk after a cached prefix) over the cache pages.
         A hybrid model (Qwen3.5) runs engine/model/hybrid_forward.py with the same attention; its
-        linear layers carry `recurrent` (one RecurrentState per sequence) instead of K/V.
+        linear layers carry `recurrent` (one RecurrentState per sequence on the CPU, a PooledStates on
+        the GPU) instead of K/V. cu_seqlens None (a CUDA graph's decode step): one token per sequence.
         """
         cfg, w = self.config, self.weights
         if longest is not None:
             self._grow_rope(longest)                               # host int: no device traffic
         attend = self._attention(cu_seqlens, pos, tables, seq_idx, longest)
         if isinstance(cfg, HybridConfig):
-            return hybrid_logits(cfg, w, ids, pos, np.asarray(cu_seqlens), self.cos, self.sin, attend, cache, slots,
-                                 recurrent, logits_rows)
+            cu = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int32)
+            return hybrid_logits(cfg, w, ids, pos, cu, self.cos, self.sin, attend, cache, slots, recurrent,
+                                 logits_rows, cu_device=None if cu is None else self._to_backend(cu))
         x = embedding(ids, w.embed)                                # [T, H] fp32 residual stream
         h = rmsnorm(x, w.layers[0].input_norm, cfg.rms_norm_eps)   # [T, H] (bf16 on the GPU)
         for i, lw in enumerate(w.layers):
@@ -281,7 +285,7 @@ class Model:
 def load_model(model_dir, backend: str | Backend = "auto", max_context: int | None = None,
                quantization: str | None = None, group_size: int | None = None) -> Model:
     """Load a Llama, Qwen2, Qwen3, Qwen3-MoE or Qwen3.5 model directory (config.json + safetensors) on the
-    chosen backend (Qwen3.5: the NumPy backend only).
+    chosen backend.
 
     quantization "int8" | "int4": every projection quantized on load (weight-only, `group_size` inputs
     per scale and zero point: by default 128, or the largest group below it that the model's sizes
@@ -294,5 +298,5 @@ def load_model(model_dir, backend: str | Backend = "auto", max_context: int | No
         if quantization is not None:
             raise ConfigError(f"quantization={quantization!r} is not supported for {config.model_type} models")
         check_backend_runs(config, b)              # before any weight is read
-        return Model(config, load_hybrid_weights(model_dir, config), b, max_context)
+        return Model(config, load_hybrid_weights(model_dir, config, b), b, max_context)
     return Model(config, load_weights(model_dir, config, b, quantization, group_size), b, max_context)

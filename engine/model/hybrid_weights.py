@@ -10,7 +10,9 @@ tower `model.visual.*` of a qwen3_5 directory). Rearranged once, here:
     split here so q, k, v and the gate come out of one GEMM as [q | k | v | gate];
   * every Qwen3_5RMSNorm scales by (1 + weight): the 1 is added on load, so the forward pass runs the
     ordinary RMSNorm (the mixer's gated norm uses its weight as it is).
-float32 on the NumPy backend; the hybrid forward pass does not run on the GPU yet.
+float32 on the NumPy backend. On the GPU the matrices (the projections, embedding, lm_head) are bf16
+on the device, read straight from the file's bf16 bits; the norms, the conv taps, A_log and dt_bias
+stay fp32 (the gated delta kernels read fp32).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.backend import Backend
 from engine.formats.config import FULL_ATTENTION, ConfigError, HybridConfig
 from engine.formats.safetensors import Checkpoint, open_checkpoint
 from engine.model.weights import FLOAT_DTYPES, Weights, check_finite, check_tensor_set
@@ -102,43 +105,60 @@ def check_hybrid_checkpoint(ckpt: Checkpoint, config: HybridConfig) -> None:
     check_tensor_set(ckpt, expected, dict.fromkeys(expected, FLOAT_DTYPES), names)
 
 
-def _reader(ckpt: Checkpoint):
-    def read(name: str) -> np.ndarray:
-        x = np.asarray(ckpt.get_tensor(name), dtype=np.float32)
+class _Reader:
+    """Checked tensors as host arrays: vectors float32, matrices float32 (CPU) or bf16 bits (GPU), so
+    rows are rearranged on the host before one copy to the device (on_backend)."""
+
+    def __init__(self, ckpt: Checkpoint, backend: Backend):
+        self.ckpt, self.backend = ckpt, backend
+
+    def __call__(self, name: str) -> np.ndarray:
+        x = np.asarray(self.ckpt.get_tensor(name), dtype=np.float32)
         check_finite(name, x)
         return x
-    return read
+
+    def matrix(self, name: str) -> np.ndarray:
+        if not self.backend.is_gpu:
+            return self(name)
+        bits = self.ckpt.get_bf16_bits(name)
+        check_finite(name, bits)
+        return bits
+
+    def on_backend(self, x: np.ndarray):
+        return self.backend.xp.asarray(np.ascontiguousarray(x)) if self.backend.is_gpu else x
 
 
-def load_hybrid_weights(model_dir, config: HybridConfig) -> Weights:
-    """The model's float32 arrays (NumPy backend), checked against the config before anything is read."""
+def load_hybrid_weights(model_dir, config: HybridConfig, backend: Backend) -> Weights:
+    """The model's arrays on the backend, checked against the config before anything is read."""
     one = np.float32(1.0)
     Hq, D = config.num_attention_heads, config.head_dim
     with open_checkpoint(model_dir) as ckpt:
         check_hybrid_checkpoint(ckpt, config)
-        read = _reader(ckpt)
+        read = _Reader(ckpt, backend)
+        mat, dev = read.matrix, read.on_backend
         layers: list[LinearAttentionLayer | GatedAttentionLayer] = []
         for i, kind in enumerate(config.layer_types):
             p = f"{config.weights_prefix}layers.{i}."
-            norms = {"input_norm": read(p + "input_layernorm.weight") + one,
-                     "post_norm": read(p + "post_attention_layernorm.weight") + one,
-                     "gate_up": np.concatenate([read(p + "mlp.gate_proj.weight"), read(p + "mlp.up_proj.weight")]),
-                     "down": read(p + "mlp.down_proj.weight")}
+            norms = {"input_norm": dev(read(p + "input_layernorm.weight") + one),
+                     "post_norm": dev(read(p + "post_attention_layernorm.weight") + one),
+                     "gate_up": dev(np.concatenate([mat(p + "mlp.gate_proj.weight"), mat(p + "mlp.up_proj.weight")])),
+                     "down": dev(mat(p + "mlp.down_proj.weight"))}
             if kind == FULL_ATTENTION:
                 a = p + "self_attn."
-                q_and_gate = read(a + "q_proj.weight").reshape(Hq, 2, D, -1)     # per head: query rows, gate rows
+                q_and_gate = mat(a + "q_proj.weight").reshape(Hq, 2, D, -1)     # per head: query rows, gate rows
                 query, gate = (q_and_gate[:, j].reshape(Hq * D, -1) for j in (0, 1))
                 layers.append(GatedAttentionLayer(
-                    qkvg=np.concatenate([query, read(a + "k_proj.weight"), read(a + "v_proj.weight"), gate]),
-                    q_norm=read(a + "q_norm.weight") + one, k_norm=read(a + "k_norm.weight") + one,
-                    o=read(a + "o_proj.weight"), **norms))
+                    qkvg=dev(np.concatenate([query, mat(a + "k_proj.weight"), mat(a + "v_proj.weight"), gate])),
+                    q_norm=dev(read(a + "q_norm.weight") + one), k_norm=dev(read(a + "k_norm.weight") + one),
+                    o=dev(mat(a + "o_proj.weight")), **norms))
             else:
                 a = p + "linear_attn."
                 layers.append(LinearAttentionLayer(
-                    in_proj=np.concatenate([read(a + f"in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")]),
-                    conv=read(a + "conv1d.weight")[:, 0, :], A_log=read(a + "A_log"), dt_bias=read(a + "dt_bias"),
-                    norm=read(a + "norm.weight"), out=read(a + "out_proj.weight"), **norms))
-        embed = read(config.weights_prefix + "embed_tokens.weight")
-        lm_head = embed if config.tie_word_embeddings else read("lm_head.weight")
-        return Weights(embed=embed, layers=layers, norm=read(config.weights_prefix + "norm.weight") + one,
+                    in_proj=dev(np.concatenate([mat(a + f"in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")])),
+                    conv=dev(read(a + "conv1d.weight")[:, 0, :]), A_log=dev(read(a + "A_log")),
+                    dt_bias=dev(read(a + "dt_bias")), norm=dev(read(a + "norm.weight")),
+                    out=dev(mat(a + "out_proj.weight")), **norms))
+        embed = dev(mat(config.weights_prefix + "embed_tokens.weight"))
+        lm_head = embed if config.tie_word_embeddings else dev(mat("lm_head.weight"))
+        return Weights(embed=embed, layers=layers, norm=dev(read(config.weights_prefix + "norm.weight") + one),
                        lm_head=lm_head)

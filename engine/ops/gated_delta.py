@@ -206,11 +206,30 @@ GPU_MAX_CONV_WIDTH = 8      # CONV_MAX_K (the window lives in registers)
 GDN_THREADS = 128           # threads per block of the conv and delta kernels (4 warps)
 
 
-def _sequences(cu_seqlens) -> int:
+def check_gpu_gated_delta(config) -> None:
+    """A hybrid model whose linear layers the kernels cannot take is refused when it is loaded on the GPU."""
+    from engine.formats.config import ConfigError, HybridConfig
+    if not isinstance(config, HybridConfig):
+        return
+    if max(config.linear_key_head_dim, config.linear_value_head_dim) > GPU_MAX_HEAD_DIM \
+            or config.linear_conv_kernel_dim > GPU_MAX_CONV_WIDTH:
+        raise ConfigError(f"{config.model_type}: the Gated DeltaNet kernels take head dims up to {GPU_MAX_HEAD_DIM} "
+                          f"and a conv width up to {GPU_MAX_CONV_WIDTH}, the model has {config.linear_key_head_dim}/"
+                          f"{config.linear_value_head_dim} and {config.linear_conv_kernel_dim} (load it with "
+                          "backend='numpy')")
+
+
+def _packed(cu_seqlens, T: int, cu_device=None):
+    """(S, cu_seqlens [S + 1] int32 on the device) of a batch of T tokens. cu_seqlens: on the host
+    (checked), or None for T sequences of one token each (a decode step, also inside a CUDA graph);
+    cu_device: the same array already on the device (a forward pass copies it once for every layer)."""
+    import cupy as cp
+    if cu_seqlens is None:
+        return T, cp.arange(T + 1, dtype=cp.int32) if cu_device is None else cu_device
     cu = np.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 1):
         raise GatedDeltaShapeError(f"cu_seqlens must start at 0 and give every sequence at least one token, got {cu}")
-    return int(cu.size - 1)
+    return int(cu.size - 1), cp.asarray(cu.astype(np.int32)) if cu_device is None else cu_device
 
 
 def gates_gpu(proj, a_col: int, b_col: int, A_log, dt_bias):
@@ -225,17 +244,17 @@ def gates_gpu(proj, a_col: int, b_col: int, A_log, dt_bias):
     return g, beta
 
 
-def causal_conv1d_gpu(x, weight, conv_pool, slots, cu_seqlens):
+def causal_conv1d_gpu(x, weight, conv_pool, slots, cu_seqlens, cu_device=None):
     """x [T, ld] fp32 whose first C columns are the channels, weight [C, K] -> silu(conv) [T, C]; each
-    sequence continues from its slot of conv_pool [slots, K-1, C] and leaves its last K-1 inputs there."""
+    sequence continues from its slot of conv_pool [slots, K-1, C] and leaves its last K-1 inputs there
+    (cu_seqlens, cu_device: as _packed)."""
     import cupy as cp
     C, K = weight.shape
     if K > GPU_MAX_CONV_WIDTH or conv_pool.shape[1:] != (K - 1, C) or x.shape[1] < C:
         raise GatedDeltaShapeError(f"causal_conv1d_gpu: x {x.shape}, weight {weight.shape}, conv_pool "
                                    f"{conv_pool.shape} do not fit (K <= {GPU_MAX_CONV_WIDTH})")
-    S = _sequences(cu_seqlens)
+    S, cu = _packed(cu_seqlens, x.shape[0], cu_device)
     out = cp.empty((x.shape[0], C), cp.float32)
-    cu = cp.asarray(np.asarray(cu_seqlens, dtype=np.int32))
     load_kernel("gated_delta", "causal_conv1d_silu")((-(-C // GDN_THREADS), S), (GDN_THREADS,),
                                                      (x, np.int64(x.strides[0] // 4), weight, conv_pool, conv_pool,
                                                       slots, cu, out, np.int32(C), np.int32(K)))
@@ -243,21 +262,48 @@ def causal_conv1d_gpu(x, weight, conv_pool, slots, cu_seqlens):
 
 
 def gated_delta_gpu(qkv, heads: tuple[int, int, int, int], g, beta, delta_pool, slots, cu_seqlens,
-                    chunked: bool = True):
+                    chunked: bool = True, cu_device=None):
     """qkv [T, ld] fp32 (q heads, k heads, v heads: the conv's output), heads = (Hk, Hv, Dk, Dv),
     g, beta [T, Hv] -> o [T, Hv * Dv]; each sequence continues from its slot of delta_pool
     [slots, Hv, Dk, Dv] and leaves its state there. chunked: the prefill kernel; else token by token
-    (decode)."""
+    (decode). cu_seqlens, cu_device: as _packed."""
     import cupy as cp
     Hk, Hv, Dk, Dv = heads
     if max(Dk, Dv) > GPU_MAX_HEAD_DIM or Hv % Hk or delta_pool.shape[1:] != (Hv, Dk, Dv):
         raise GatedDeltaShapeError(f"gated_delta_gpu: heads {heads}, delta_pool {delta_pool.shape} do not fit "
                                    f"(Dk, Dv <= {GPU_MAX_HEAD_DIM}; Hv a multiple of Hk)")
-    S = _sequences(cu_seqlens)
+    S, cu = _packed(cu_seqlens, qkv.shape[0], cu_device)
     out = cp.empty((qkv.shape[0], Hv * Dv), cp.float32)
-    cu = cp.asarray(np.asarray(cu_seqlens, dtype=np.int32))
     name = "gated_delta_chunked" if chunked else "gated_delta_recurrent"
     load_kernel("gated_delta", name)((Hv, S), (GDN_THREADS,),
                                      (qkv, np.int64(qkv.strides[0] // 4), g, beta, delta_pool, delta_pool, slots, cu,
                                       out, np.int32(Hk), np.int32(Hv), np.int32(Dk), np.int32(Dv)))
+    return out
+
+
+def gated_rmsnorm_gpu(o, z, weight, eps: float):
+    """o [T, Hv * Dv] fp32, z [T, ld] fp32 (a column slice: the gate heads), weight [Dv] ->
+    bf16 [T, Hv * Dv] = gated_rmsnorm_ref per head: out_proj's input."""
+    import cupy as cp
+    T, Dv = o.shape[0], weight.shape[0]
+    Hv = o.shape[1] // Dv
+    out = cp.empty((T, Hv * Dv), cp.uint16)
+    if T:
+        warps = GDN_THREADS // 32
+        load_kernel("gated_delta", "gated_rmsnorm_silu")((min(-(-T * Hv // warps), 65535),), (GDN_THREADS,),
+                                                         (o, z, np.int64(z.strides[0] // 4), weight, out, np.int32(T),
+                                                          np.int32(Hv), np.int32(Dv), np.float32(eps)))
+    return out
+
+
+def attention_output_gate_gpu(attn, gate):
+    """attn bf16 [T, n], gate [T, ld] fp32 (a column slice of n gate values per row) -> bf16 [T, n] =
+    attn * sigmoid(gate): what Qwen3.5's full-attention layers feed o_proj."""
+    import cupy as cp
+    T, n = attn.shape
+    out = cp.empty((T, n), cp.uint16)
+    if T:
+        load_kernel("gated_delta", "attention_output_gate")((min(-(-T * n // 256), 65535),), (256,),
+                                                            (attn, gate, np.int64(gate.strides[0] // 4), out,
+                                                             np.int32(T), np.int32(n)))
     return out

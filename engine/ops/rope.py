@@ -9,8 +9,10 @@ rotate by the same tables. Positions are always passed in explicitly: a decode s
 batch mixes tokens at many absolute positions.
 
 The Qwen families change what goes into the rotation (appendix: model families): Qwen2 adds a bias
-to q, k and v; Qwen3 RMS-normalizes every q and k head (weights [D]) before rotating it. On the GPU
-both happen inside the same pass over qkv (kernels_cu/rope.cu: rope_qkv_bias_norm).
+to q, k and v; Qwen3 RMS-normalizes every q and k head (weights [D]) before rotating it; Qwen3.5's
+full-attention layers normalize too and rotate only the first rotary_dim dimensions of each head
+(rope_qk_norm_partial). On the GPU each happens inside the same pass over qkv (kernels_cu/rope.cu:
+rope_qkv_bias_norm).
 """
 from __future__ import annotations
 
@@ -120,8 +122,8 @@ def rope_qkv(qkv, positions, cos, sin, config: LlamaConfig, bias=None, q_norm=No
         load_kernel("rope", "rope_qkv_bias_norm")(
             (T,), (128,), (qkv, unused if bias is None else bias, unused if q_norm is None else q_norm,
                            unused if k_norm is None else k_norm, positions, cos, sin, out, np.int32(Hq),
-                           np.int32(Hkv), np.int32(D), np.float32(config.rms_norm_eps),
-                           np.int32(bias is not None), np.int32(q_norm is not None)))
+                           np.int32(Hkv), np.int32(D), np.int32(D), np.int64(qkv.shape[1]),
+                           np.float32(config.rms_norm_eps), np.int32(bias is not None), np.int32(q_norm is not None)))
     elif T:
         kernel = plug.kernel() if plug is not None else load_kernel("rope", "rope_qkv")
         kernel((T,), (256,), (qkv, positions, cos, sin, out, np.int32(Hq + Hkv), np.int32(Hq + 2 * Hkv), np.int32(D)))
@@ -135,3 +137,29 @@ def _rope_function(plug, qkv, positions, cos, sin, n_rotated: int, D: int):
     rotated = checked_result("rope", plug.fn(qk.copy(), to_host(positions), to_host(cos), to_host(sin)), qk.shape)
     out = np.concatenate([rotated, heads[:, n_rotated:]], axis=1).reshape(qkv.shape[0], -1)
     return to_backend(out, qkv, bf16=True)
+
+
+def rope_qk_norm_partial(qkvg, positions, cos, sin, config: LlamaConfig, q_norm, k_norm):
+    """Qwen3.5's full-attention heads (appendix: linear attention): qkvg [T, ld] fp32 whose first
+    (Hq + 2 Hkv) * D columns are the q, k and v heads (the query gate follows) -> [T, (Hq + 2 Hkv) * D]
+    with each q and k head RMS-normalized (q_norm, k_norm [D]) and its first R = 2 * cos.shape[1]
+    dimensions rotated, v passed through. CPU: float32. GPU: bf16, one pass (rope_qkv_bias_norm with
+    R < D); with a learner's rope stage plugged in, the host path runs it (rope_leading)."""
+    Hq, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    n = (Hq + 2 * Hkv) * D
+    T = qkvg.shape[0]
+    if not is_device_array(qkvg) or "rope" in OVERRIDES:
+        x = to_host(qkvg)[:, :n].reshape(T, Hq + 2 * Hkv, D)
+        qk = np.concatenate([rmsnorm_ref(x[:, :Hq], to_host(q_norm), config.rms_norm_eps),
+                             rmsnorm_ref(x[:, Hq:Hq + Hkv], to_host(k_norm), config.rms_norm_eps)], axis=1)
+        qk = rope_leading(qk, to_host(positions), to_host(cos), to_host(sin))    # [T, Hq + Hkv, D]
+        out = np.concatenate([qk.reshape(T, -1), x[:, Hq + Hkv:].reshape(T, -1)], axis=1)
+        return to_backend(out, qkvg, bf16=True)
+    import cupy as cp
+    out = cp.empty((T, n), dtype=cp.uint16)
+    if T:
+        load_kernel("rope", "rope_qkv_bias_norm")(
+            (T,), (128,), (qkvg, cos, q_norm, k_norm, positions, cos, sin, out, np.int32(Hq), np.int32(Hkv),
+                           np.int32(D), np.int32(2 * cos.shape[1]), np.int64(qkvg.strides[0] // 4),
+                           np.float32(config.rms_norm_eps), np.int32(0), np.int32(1)))
+    return out

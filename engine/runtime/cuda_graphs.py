@@ -8,14 +8,17 @@ a decode batch of R rows replays the graph of the smallest bucket >= R, its R re
 the rest padding. Everything a graph reads sits in fixed device buffers that are refilled before
 each replay, in ONE host-to-device copy of one int32 array laid out as
 
-    [ token ids (B) | positions (B) | slot mapping (B) | page tables (B x W) ]      B = bucket
+    [ token ids (B) | positions (B) | slot mapping (B) | page tables (B x W) | state slots (B) ]
 
-with W = ceil(max_context / page_size) (1 for a contiguous cache: a slot is one page of max_context).
+with B the bucket and W = ceil(max_context / page_size) (1 for a contiguous cache: a slot is one page
+of max_context). State slots are a hybrid model's recurrent-state slots (appendix: linear attention;
+0 for other models): each row's slot in the device pools, which the graph updates in place.
 The host side is double-buffered: with async scheduling the next step's inputs are packed while this
 step's copy may still wait its turn on the stream. A row whose token the previous step sampled on
 the device (async scheduling's feedback) gets it written into the device buffer before the replay.
 A padding row feeds token 0 at position 0 with slot -1 (kv_write writes nothing for a negative
-slot) and a page table of page 0 (it reads one key there, harmlessly); its logits are never read.
+slot) and a page table of page 0 (it reads one key there, harmlessly); its logits are never read. Its
+state slot is the pools' spare one, which no request holds.
 
 The model runner replays the bucket of each decode batch; chapter 08's ChatSession replays the
 one-row bucket over its contiguous slot. What keeps a captured graph valid:
@@ -25,7 +28,9 @@ one-row bucket over its contiguous slot. What keeps a captured graph valid:
   * the RoPE tables are sized to max_context before the first capture (they never move again);
   * every intermediate comes from one private memory pool shared by all buckets: graphs replay one
     at a time on one stream, so they may share scratch memory; their logits buffers stay alive;
-  * while a learner's stage is plugged in (engine/plugins.py) nothing is captured or replayed.
+  * while a learner's stage is plugged in (engine/plugins.py) nothing is captured or replayed;
+  * the eager warm-up before a capture writes the same K/V again, but a recurrent state would take its
+    token in twice: the rows' state slots are saved before the warm-up and restored after it.
 
 A graph is captured lazily, the first time a batch needs its bucket: the step runs once eagerly
 (compiling kernels, sizing the pool, letting cuBLAS pick its kernels), then is recorded, then
@@ -40,6 +45,7 @@ import warnings
 import numpy as np
 
 from engine.checks import env_switch
+from engine.model.hybrid_forward import PooledStates
 from engine.ops.embedding import check_ids
 from engine.plugins import any_active
 
@@ -76,13 +82,18 @@ def is_decode_batch(fb) -> bool:
 
 
 def input_size(bucket: int, width: int) -> int:
-    return bucket * (3 + width)
+    return bucket * (4 + width)
 
 
 def input_views(flat, bucket: int, width: int):
     """(ids [B], positions [B], slots [B], tables [B, W]) as views of the flat int32 buffer."""
     b = bucket
-    return flat[:b], flat[b:2 * b], flat[2 * b:3 * b], flat[3 * b:input_size(b, width)].reshape(b, width)
+    return flat[:b], flat[b:2 * b], flat[2 * b:3 * b], flat[3 * b:(3 + width) * b].reshape(b, width)
+
+
+def state_slots_view(flat, bucket: int, width: int):
+    """[B] the rows' recurrent-state slots: the last segment of the flat buffer."""
+    return flat[(3 + width) * bucket:input_size(bucket, width)]
 
 
 def pack_decode_inputs(fb, bucket: int, width: int, flat: np.ndarray) -> None:
@@ -94,13 +105,20 @@ def pack_decode_inputs(fb, bucket: int, width: int, flat: np.ndarray) -> None:
     slots[:R], slots[R:] = fb.slot_mapping, -1          # padding rows write no K/V
     tables[:R, :tw], tables[:R, tw:] = fb.page_tables, -1
     tables[R:] = 0                                      # padding rows read key 0 of page 0
+    states = state_slots_view(flat, bucket, width)
+    if fb.recurrent is None:
+        states[:] = 0
+    else:                                               # padding rows update the pools' spare slot
+        states[:R], states[R:] = fb.recurrent.slots, fb.recurrent.pools.slots - 1
 
 
-def run_padded(model, cache, flat, seq_idx, bucket: int, width: int):
-    """The decode step over the packed buffers (device or host): logits [bucket, V]."""
+def run_padded(model, cache, flat, seq_idx, bucket: int, width: int, pools=None):
+    """The decode step over the packed buffers (device or host): logits [bucket, V]. pools: a hybrid
+    model's recurrent-state pools, which the rows' state slots index."""
     ids, pos, slots, tables = input_views(flat, bucket, width)
+    recurrent = None if pools is None else PooledStates(pools, state_slots_view(flat, bucket, width))
     return model.run(ids, pos, None, cache, slots=slots, tables=tables, seq_idx=seq_idx[:bucket],
-                     longest=model.max_context)
+                     longest=model.max_context, recurrent=recurrent)
 
 
 class DecodeGraphs:
@@ -112,8 +130,8 @@ class DecodeGraphs:
     before the next forward() of the same bucket.
     """
 
-    def __init__(self, model, cache, max_rows: int, enabled: bool | None = None):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, max_rows: int, enabled: bool | None = None, pools=None):
+        self.model, self.cache, self.pools = model, cache, pools
         self.buckets = buckets_for(max_rows)
         self.width = -(-model.max_context // cache.page_size)     # pages a table can ever hold
         wanted = graphs_enabled_by_env() if enabled is None else bool(enabled)
@@ -182,8 +200,12 @@ class DecodeGraphs:
     def _capture(self, bucket: int) -> None:
         cp, stream = self._cp, self._stream
         self.model._grow_rope(self.model.max_context)     # the tables must never move after a capture
+        states = state_slots_view(self._inputs, bucket, self.width)
         with cp.cuda.using_allocator(self._pool.malloc), stream:
+            saved = None if self.pools is None else self.pools.save(states)
             self._run(bucket)                 # warm-up: this very step, eagerly (idempotent K/V writes)
+            if saved is not None:             # the replay below takes the step's tokens in, not the warm-up
+                self.pools.restore(states, saved)
             stream.synchronize()
             stream.begin_capture()
             try:
@@ -193,7 +215,7 @@ class DecodeGraphs:
         self._graphs[bucket] = (graph, logits)
 
     def _run(self, bucket: int):
-        return run_padded(self.model, self.cache, self._inputs, self._seq_idx, bucket, self.width)
+        return run_padded(self.model, self.cache, self._inputs, self._seq_idx, bucket, self.width, self.pools)
 
     def _give_up(self, reason: str) -> None:
         self.enabled, self.disabled_reason = False, reason

@@ -36,7 +36,7 @@ from engine.ops.sampling import SampledTokens, start_sampling
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.runtime.draft_model import DraftModelProposer
 from engine.runtime.engine_config import EngineConfig
-from engine.runtime.recurrent_states import RecurrentStates
+from engine.runtime.recurrent_states import RecurrentSlots, RecurrentStates
 from engine.runtime.sampling_params import step_uniforms
 from engine.runtime.scheduler import PENDING, Batch, Row, Scheduler, StepOutput
 from engine.runtime.speculative import verify_step
@@ -150,13 +150,19 @@ class ModelRunner:
         self.model, self.backend, self.config = model, model.backend, model.config
         # structured outputs: each constrained request's automaton over the tokenizer's vocabulary
         self.structured = StructuredOutputs(tokenizer, self.config.vocab_size, eos_token_ids or set(), self.backend.xp)
+        # a hybrid model's linear layers: one recurrent state per request, beside the cache (on the GPU
+        # its pools are allocated first, so that the KV pool's default size leaves room for them)
+        self.recurrent: RecurrentStates | RecurrentSlots | None = None
+        if isinstance(self.config, HybridConfig):
+            self.recurrent = (RecurrentSlots(self.config, engine_config.max_seqs) if self.backend.is_gpu
+                              else RecurrentStates(self.config))
         self.cache, self.engine_config = self._allocate_cache(engine_config)
-        # a hybrid model's linear layers: one recurrent state per request, beside the cache
-        self.recurrent = RecurrentStates(self.config) if isinstance(self.config, HybridConfig) else None
         # decode steps replayed as CUDA graphs per batch-size bucket (GPU only; None: on unless
         # ENGINE_CUDA_GRAPHS=0); any other batch, or a plug-in, runs eagerly
         self.decode_graphs = DecodeGraphs(model, self.cache, decode_rows(self.engine_config),
-                                          enabled=engine_config.cuda_graphs)
+                                          enabled=engine_config.cuda_graphs,
+                                          pools=self.recurrent.pools if isinstance(self.recurrent, RecurrentSlots)
+                                          else None)
         # speculative method "draft": the draft model, its own KV pool and decode graphs (after the
         # target's pool, so that the target's share of the memory is what it would be without it)
         self.proposer: DraftModelProposer | None = None
@@ -212,12 +218,20 @@ class ModelRunner:
         # (a step of chunks only still asks for one row of logits: no zero-row GEMM)
         logits_rows = batch.logits_indices if sampling else batch.last_token_indices[-1:]
         cu_seqlens, page_tables = split_verify_rows(batch)
+        recurrent = None
+        if self.recurrent is not None:
+            sched = self._writer() if self._writer is not None else None
+            recurrent = self.recurrent.for_rows(batch.rows, getattr(sched, "is_running", None))
         fb = ForwardBatch(batch.token_ids, batch.positions, cu_seqlens, page_tables, batch.slot_mapping,
-                          logits_rows=logits_rows, feedback=self._feedback(batch, previous),
-                          recurrent=None if self.recurrent is None else self.recurrent.for_rows(batch.rows))
-        logits = self.decode_graphs.forward(fb)          # None: not a graph-able step
-        if logits is None:
-            logits = self.model.forward(fb, self.cache)
+                          logits_rows=logits_rows, feedback=self._feedback(batch, previous), recurrent=recurrent)
+        try:
+            logits = self.decode_graphs.forward(fb)      # None: not a graph-able step
+            if logits is None:
+                logits = self.model.forward(fb, self.cache)
+        except BaseException:
+            if self.recurrent is not None:
+                self.recurrent.forget(batch.rows)
+            raise
         done = verify = None
         fed = sampling
         if any(row.draft for row in sampling):     # speculative decoding: verify rows read 1 + k positions

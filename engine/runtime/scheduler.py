@@ -792,6 +792,11 @@ class Scheduler:
         """Waiting or running (async: a row of a batch in flight may belong to a request that ended)."""
         return request_id in self._requests
 
+    def is_running(self, request_id: int) -> bool:
+        """Admitted and not preempted: its next row continues what it has computed."""
+        request = self._requests.get(request_id)
+        return request is not None and request.status == "running"
+
     def _restore(self, saved: _Saved) -> None:
         self.allocator.rollback()
         arrived_since = [rid for rid in self._waiting if rid >= saved.next_request_id]
