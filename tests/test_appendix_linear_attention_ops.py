@@ -182,8 +182,11 @@ def _args(x):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_both_forms_match_transformers_fixture(torch_fixture, name):
     x = case_inputs(name)
-    for key, value in x.items():     # the inputs are rebuilt bit for bit
-        np.testing.assert_array_equal(value, torch_fixture[f"{name}.{key}"])
+    for key, value in x.items():
+        # the inputs are rebuilt: bit for bit from the generator, up to an ulp where the gates went
+        # through float32 exp/log1p (NumPy's vectorised libm differs by one ulp between CPUs)
+        np.testing.assert_allclose(value, torch_fixture[f"{name}.{key}"], rtol=4e-7, atol=0)
+        x[key] = torch_fixture[f"{name}.{key}"]      # transformers' outputs belong to exactly these
     out, final = gated_delta_recurrent_ref(*_args(x))
     c_out, c_final = gated_delta_chunked_ref(*_args(x), chunk_size=64)
     for got in (out, c_out):

@@ -102,3 +102,17 @@ def test_the_serving_floor_counts_bytes_and_flops_of_each_step():
     assert step_floor_seconds([prefill], cfg, 2, 4000, 800) == pytest.approx(want)
     assert step_floor_seconds([decode, prefill], cfg, 2, 4000, 800) == pytest.approx(
         step_floor_seconds([decode], cfg, 2, 4000, 800) + want)
+
+
+def test_a_hybrid_models_floor_reads_and_writes_each_rows_states():
+    """Qwen3.5: the full-attention layers' K/V per token, and each row's fixed-size recurrent states
+    (18 layers of a 16 x 128 x 128 delta-rule state and a conv window) read and written once."""
+    from engine.bench.run import step_floor_seconds
+    from engine.formats.config import config_from_dict
+    from engine.model.random_model import PRESETS
+    cfg = config_from_dict(PRESETS["qwen3.5-0.8b"])
+    assert cfg.state_bytes_per_sequence == 4 * 18 * (3 * cfg.conv_dim + 16 * 128 * 128)
+    decode = {"context_tokens": 64 * 1000, "tokens": 64, "sampled": 64, "rows": 64}
+    weights = cfg.num_parameters() * 2
+    want = (weights + 64 * 1000 * cfg.kv_bytes_per_token(2) + 64 * 2 * cfg.state_bytes_per_sequence) / 4000e9
+    assert step_floor_seconds([decode], cfg, 2, 4000, 800) == pytest.approx(want)

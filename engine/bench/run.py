@@ -237,7 +237,8 @@ def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops:
     and multiplies its tokens by the weights: 2 FLOPs per weight per token for the layers, the LM
     head only for the rows that sample (at the measured GEMM rate; attention FLOPs left out).
     Whichever takes longer. No host time, no launch gaps, no kernel below the roofline: the engine's
-    time over this is what it leaves on the table. A mixture of experts counts its active parameters
+    time over this is what it leaves on the table. A hybrid model (Qwen3.5) also reads and writes each
+    row's recurrent states once. A mixture of experts counts its active parameters
     (each token's k experts, which its FLOPs are exactly; a step with many tokens reads more experts
     than that, so for memory it is a lower bound)."""
     head = cfg.vocab_size * cfg.hidden_size                     # the LM head (the table itself when tied)
@@ -247,7 +248,8 @@ def step_floor_seconds(log, cfg, bytes_per_value: int, copy_gbps: float, tflops:
     per_row_state = 2 * cfg.state_bytes_per_sequence          # a hybrid model's states, read and written
     total = 0.0
     for entry in log:
-        memory = (weights + entry["context_tokens"] * per_token_kv + entry["rows"] * per_row_state) / (copy_gbps * 1e9)
+        states = entry["rows"] * per_row_state if per_row_state else 0
+        memory = (weights + entry["context_tokens"] * per_token_kv + states) / (copy_gbps * 1e9)
         flops = 2 * layers * entry["tokens"] + 2 * head * entry["sampled"]
         compute = flops / (tflops * 1e12) if tflops else 0.0
         total += max(memory, compute)
