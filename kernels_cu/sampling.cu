@@ -209,19 +209,3 @@ sample_rows(const float* __restrict__ logits,        // [R, V]
         out[blockIdx.x] = picked;
     }
 }
-
-// Whether each row of logits is all finite: finite[r] = 1, or 0 when the row holds a NaN or an
-// infinity (engine/ops/sampling.py then raises NonFiniteLogitsError naming the row instead of
-// returning whatever token was drawn from it). Launched beside sample_rows and the argmax kernel, on
-// the model's raw logits, writing straight into the words that are copied back to the host with the
-// sampled ids. One block per row, threads striding over it: one read of the row, no output per logit.
-// Infinities and NaNs are the floats whose exponent bits are all ones.
-extern "C" __global__ void finite_rows(const float* __restrict__ logits,   // [R, V]
-                                       int* __restrict__ finite,           // [R]
-                                       int V) {
-    const float* row = logits + (long long)blockIdx.x * V;
-    bool ok = true;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) ok &= (__float_as_uint(row[i]) & 0x7f800000u) != 0x7f800000u;
-    ok = __syncthreads_and(ok);
-    if (threadIdx.x == 0) finite[blockIdx.x] = ok;
-}

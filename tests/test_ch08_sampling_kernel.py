@@ -57,17 +57,3 @@ def test_the_kernel_draws_the_reference_token(name, V, temperature, top_k, top_p
     want = [sample_ref(z[r], temperature, top_k, top_p, float(u[r])) for r in range(R)]
     for run in outcome.runs:
         assert run[:R].tolist() == want
-
-
-def test_finite_rows_flags_the_rows_holding_a_nan_or_an_infinity():
-    """finite_rows (same file): 1 for a row whose logits are all finite, else 0, as np.isfinite says."""
-    R, V = 6, 2053
-    z = logits_for("normal", np.random.default_rng(0), R, V)
-    z[1, 5], z[2, V - 1], z[3, 0], z[4, 1000] = np.nan, np.inf, -np.inf, np.finfo(np.float32).max
-    so = cuda_cpu.build(SOURCE.read_text(), "kernels_cu/sampling.cu", "finite_rows", {"THREADS": SAMPLE_THREADS})
-    case = Case(label="finite rows", grid=(R,), block=SAMPLE_THREADS, inputs={"logits": z}, out_dtype="f32",
-                args=lambda d: (d["logits"], d["out"], np.int32(V)), want=np.zeros((1, R), np.float32))
-    outcome = cuda_cpu.run_case(so, "finite_rows", case, 3, np.int32(-7), np.int32)
-    assert outcome.crash is None, outcome.crash
-    for run in outcome.runs:
-        assert run[:R].tolist() == [1, 0, 0, 0, 1, 1]

@@ -92,54 +92,22 @@ class SampledTokens:
     through the host. wait() returns them on the host ([R] int32), after checking that every row's
     logits were finite (NonFiniteLogitsError names the bad rows by `labels`)."""
 
-    def __init__(self, host: np.ndarray, finite: np.ndarray, device=None, copied=None, staging=None):
+    def __init__(self, host: np.ndarray, finite: np.ndarray, device=None, copied=None, keep=()):
         self._host, self._finite = host, finite    # [R] int32, [R] (filled when `copied` fires)
         self.ids = host if device is None else device
         self._copied = copied                      # CUDA event after the device-to-host copy
-        self._staging = staging                    # the pinned buffer that `host` and `finite` view
+        self._keep = keep                          # buffers the copy reads and writes, alive until then
 
     def wait(self, labels=None, checked=None) -> np.ndarray:
         """checked: [R] bool, the rows whose logits must be finite (default: all; async scheduling
         leaves out rows whose request ended while the step was in flight: their tokens are dropped)."""
         if self._copied is not None:
             self._copied.synchronize()
-            self._host, self._finite = self._host.copy(), self._finite.astype(bool)
-            _FREE_STAGING.append(self._staging)    # both of its copies have landed: a later step may reuse it
-            self._copied = self._staging = None
         finite = self._finite.astype(bool)
         if checked is not None:
             finite |= ~np.asarray(checked, dtype=bool)
         check_finite_rows(finite, labels)
         return self._host.copy()
-
-
-# What crosses between host and device in one step on the GPU: R rows of 4-byte words, in one device
-# buffer and in a pinned host buffer laid out alike,
-#     [ tokens | finite | temperature | top_k | top_p | uniform ]      each [R]
-#       '- back to the host -'  '------ to the device (sampled rows) ------'
-# Copies from and to pinned (page-locked) host memory are queued on the stream like kernels; one from
-# ordinary pageable memory may first wait for the work queued before it, which would hold async
-# scheduling's host behind the step in flight (cp.asarray of a NumPy array avoids that by staging it in
-# a pinned buffer of its own, with an event per array). Pinned memory is slow to allocate, so a step
-# takes a buffer from this pool and SampledTokens.wait() gives it back once its copies have landed (a
-# step never waited for keeps its buffer; list.append and list.pop are atomic: threads need no lock).
-STEP_WORDS = 6                                 # 4-byte words per row, the layout above
-_FREE_STAGING: list[np.ndarray] = []          # pinned int32 buffers no step is using
-
-
-def _staging(words: int) -> np.ndarray:
-    """A pinned int32 buffer of at least `words` words: a free one, else a new one a power of two long
-    (buffers grow in doublings with the batch; a free one too small is dropped)."""
-    while True:
-        try:
-            buffer = _FREE_STAGING.pop()
-        except IndexError:                     # (not `while _FREE_STAGING`: another thread may pop meanwhile)
-            break
-        if buffer.size >= words:
-            return buffer
-    import cupy as cp
-    n = 1 << max(words - 1, 0).bit_length()
-    return np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.int32, n)
 
 
 def start_sampling(logits, params: Sequence[RowKnobs], uniforms, raw=None) -> SampledTokens:
@@ -148,11 +116,10 @@ def start_sampling(logits, params: Sequence[RowKnobs], uniforms, raw=None) -> Sa
     raw: the model's logits before processing (engine/ops/logits_processing.py), whose rows must be
     finite; a processed row may hold -inf (a token masked out) and still be sampled.
 
-    uniforms: R draws in [0, 1) (a list or a float64 array, step_uniforms). On the GPU nothing waits:
-    the rows' knobs go to the device in one asynchronous copy from pinned memory, the argmax kernel
-    (every row greedy) or the sampling kernel draws the ids, finite_rows checks the rows, and the ids
-    and finite flags come back in one asynchronous copy. On the CPU, and with a learner's sampling
-    function plugged in, the ids are drawn at once.
+    uniforms: R draws in [0, 1) (a list or a float64 array, step_uniforms). On the GPU only the R
+    sampled ids and R finite flags cross to the host, in one asynchronous copy into pinned memory
+    (argmax kernel when every row is greedy, the sampling kernel otherwise); on the CPU, and with a
+    learner's sampling function plugged in, the ids are drawn at once.
     """
     R = len(params)
     plug = OVERRIDES.get("sampling")             # your stage (engine/plugins.py), if one is active
@@ -166,30 +133,28 @@ def start_sampling(logits, params: Sequence[RowKnobs], uniforms, raw=None) -> Sa
                                        for r, (p, u) in enumerate(zip(params, uniforms, strict=True))],
                                       dtype=np.int32), finite)
     import cupy as cp
-    V, stream, rt = logits.shape[1], cp.cuda.get_current_stream(), cp.cuda.runtime
-    host = _staging(STEP_WORDS * R)                          # [>= 6R] pinned, the layout above
-    device = cp.empty(STEP_WORDS * R, dtype=cp.int32)        # [6R]
-    tokens, finite = device[:R], device[R:2 * R]
     if plug is None and all(p.greedy for p in params):
-        argmax_rows(logits, out=tokens)
+        tokens = argmax_rows(logits)
     else:
-        host_f32, device_f32 = host.view(np.float32), device.view(cp.float32)
-        host_f32[2 * R:3 * R] = [p.temperature for p in params]
-        host[3 * R:4 * R] = [p.top_k for p in params]
-        host_f32[4 * R:5 * R] = [p.top_p for p in params]
-        host_f32[5 * R:6 * R] = uniforms
-        rt.memcpyAsync(device[2 * R:].data.ptr, host[2 * R:].ctypes.data, 4 * 4 * R, rt.memcpyHostToDevice, stream.ptr)
-        knobs = device_f32[2 * R:3 * R], device[3 * R:4 * R], device_f32[4 * R:5 * R], device_f32[5 * R:6 * R]
+        V = logits.shape[1]
+        knobs = [cp.asarray(np.array(v, dtype=dt)) for v, dt in (
+            ([p.temperature for p in params], np.float32), ([p.top_k for p in params], np.int32),
+            ([p.top_p for p in params], np.float32), (uniforms, np.float32))]
+        tokens = cp.empty(R, dtype=cp.int32)
         defines = {"THREADS": SAMPLE_THREADS}
         kernel = plug.kernel(**defines) if plug is not None else load_kernel("sampling", "sample_rows", **defines)
         kernel((R,), (SAMPLE_THREADS,), (logits, *knobs, tokens, np.int32(V)))
-    if R:
-        load_kernel("sampling", "finite_rows", THREADS=SAMPLE_THREADS)(
-            (R,), (SAMPLE_THREADS,), (logits if raw is None else raw, finite, np.int32(V)))
-    rt.memcpyAsync(host.ctypes.data, device.data.ptr, 2 * 4 * R, rt.memcpyDeviceToHost, stream.ptr)
+    tokens = tokens.astype(cp.int32, copy=False)
+    finite = cp.isfinite(logits if raw is None else raw).all(axis=1)
+    both = cp.stack([tokens, finite.astype(cp.int32)])   # [2, R]: one copy
+    pinned = cp.cuda.alloc_pinned_memory(both.nbytes)
+    host = np.frombuffer(pinned, np.int32, both.size).reshape(2, R)
+    stream = cp.cuda.get_current_stream()
+    cp.cuda.runtime.memcpyAsync(host.ctypes.data, both.data.ptr, both.nbytes,
+                                cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
     copied = cp.cuda.Event(disable_timing=True)
     copied.record(stream)
-    return SampledTokens(host[:R], host[R:2 * R], device=tokens, copied=copied, staging=host)
+    return SampledTokens(host[0], host[1], device=tokens, copied=copied, keep=(pinned, both))
 
 
 def sample(logits, params: Sequence[RowKnobs], uniforms, labels=None) -> np.ndarray:
