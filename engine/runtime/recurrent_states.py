@@ -60,11 +60,8 @@ class RecurrentStates:
             if row.start_pos == 0:
                 self._states[row.request_id] = RecurrentState.empty(self.config)
             state = self._states.get(row.request_id)
-            if state is None:
-                check_continues(row, None)
-                continue
-            check_continues(row, state.tokens)
-            out.append(state)
+            check_continues(row, None if state is None else state.tokens)
+            out.append(self._states[row.request_id])
         return out
 
     def forget(self, rows) -> None:
