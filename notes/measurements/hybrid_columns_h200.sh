@@ -27,3 +27,6 @@ for line in open(sys.argv[1]):
         print({k: d.get(k) for k in ("scenario", "ms", "tok_per_s", "decode_tok_per_s", "floor_tok_per_s",
                                       "output_tok_per_s", "pct_of_floor") if k in d})
 PY
+# Where a Qwen3-MoE decode step goes (per-op times of one step at 1 and 32 rows)
+timeout 90 python3 -m engine.bench --preset qwen3-30b-a3b-4l --backend cupy --profile --profile-batches 1 32 \
+  --profile-context 512 --profile-json "$OUT/moe_profile.json" 2>&1 | grep -v '^{' | tail -40
