@@ -126,7 +126,7 @@ STAGES: dict[str, Stage] = {
         "linear_attention layer of a Qwen3.5 model (a prompt, a chunk of one, or a decode token); q and k "
         "arrive raw (L2-normalise them, and scale q by 1/sqrt(Dk)); value head h reads key head "
         "h // (Hv / Hk). On the GPU backend it runs on host copies of each sequence's inputs and state",
-        "gated_delta_chunked<<<(Hv, S, ceil(Dv / 16)), 128>>>(const float* qkv, long long ld, const float* g, "
+        "gated_delta_chunked<<<(Hv, S), 128>>>(const float* qkv, long long ld, const float* g, "
         "const float* beta, const float* state_in, float* state_out, const int* slots, const int* cu_seqlens, "
         "float* out, int Hk, int Hv, int Dk, int Dv) (kernels_cu/gated_delta.cu: the engine's own; this stage "
         "takes a NumPy function)",

@@ -11,19 +11,16 @@
 //   gdn_gates            one thread per (token, head): g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
 //   causal_conv1d_silu   one thread per (sequence, channel), walking its tokens with a window of K-1
 //                        inputs in registers; neighbouring threads read neighbouring channels (coalesced)
-//   gated_delta_recurrent  one block per (value head, sequence, group of GDN_COLS value columns), for a
-//                        decode token (any length works, token after token): the block normalises q
-//                        and k (block_sum) into shared memory; GDN_PARTS threads share a column j, each
-//                        holding Dk / GDN_PARTS rows of S[:, j] in registers, and decay, correct and read
-//                        it: S[:, j] <- e^g S[:, j] + k beta (v_j - k.(e^g S[:, j])), o_j = q.S[:, j]
-//   gated_delta_chunked  one block per (value head, sequence, group of GDN_COLS value columns), the
-//                        prefill, with the block's slice of the state in shared memory for the whole
-//                        sequence: per chunk of GDN_CHUNK tokens the [C, C] matrices (A: beta_i k_i.k_j
-//                        e^(G_i - G_j), P: q_i.k_j e^(G_i - G_j)) and the forward substitution
-//                        (I + A) [U | W] = [beta v | beta k e^G], one column of the right-hand side per
-//                        thread; then, an element per thread, v_new = U - W S, o = e^G Q S + P v_new,
-//                        S <- e^(G_last) S + (K e^(G_last - G))^T v_new.
-//                        The tiles live in static shared memory (~36 KB at Dk = 128, C = 16).
+//   gated_delta_recurrent  one block per (value head, sequence), one thread per column j of the state
+//                        S [Dk, Dv] (decode: one token; any length works, token after token). The
+//                        block normalises q and k (block_sum) into shared memory; thread j decays,
+//                        corrects and reads its column: S[:, j] <- e^g S[:, j] + k beta (v_j - k.S[:, j])
+//   gated_delta_chunked  one block per (value head, sequence), the prefill: per chunk of GDN_CHUNK tokens
+//                        the [C, C] matrices (A: beta_i k_i.k_j e^(G_i - G_j), P: q_i.k_j e^(G_i - G_j))
+//                        and the forward substitution (I + A) [U | W] = [beta v | beta k e^G], one column
+//                        of the right-hand side per thread; then, one state column per thread,
+//                        v_new = U - W S, o = e^G Q S + P v_new, S <- e^(G_last) S + (K e^(G_last - G))^T v_new.
+//                        The tiles live in static shared memory (~34 KB at Dk = Dv = 128, C = 16).
 //   gated_rmsnorm_silu   one warp per (token, value head): the mixer's output gate,
 //                        rmsnorm(o) * w * silu(z), written bf16 for out_proj
 //   attention_output_gate  the full-attention layers' gate: attn * sigmoid(gate), bf16 for o_proj
@@ -36,10 +33,6 @@
 #ifndef GDN_CHUNK
 #define GDN_CHUNK 16          // tokens per chunk of gated_delta_chunked
 #endif
-#ifndef GDN_COLS
-#define GDN_COLS 16           // value columns of the state per block of the delta kernels
-#endif
-#define GDN_PARTS 8           // threads per column in gated_delta_recurrent: blockDim = GDN_COLS * GDN_PARTS
 #ifndef CONV_MAX_K
 #define CONV_MAX_K 8          // the widest causal convolution (Qwen3.5: 4)
 #endif
@@ -116,10 +109,6 @@ __device__ void load_qk(const float* __restrict__ qkv, long long ld, int t, int 
     __syncthreads();
 }
 
-// The delta rule never mixes value columns: column j of the state, S[:, j], is updated from v_j and
-// q, k alone. So both delta kernels split a head's Dv columns over blockIdx.z, GDN_COLS per block
-// (grid (Hv, S, ceil(Dv / GDN_COLS)), GDN_COLS * GDN_PARTS threads), each block loading the head's q
-// and k itself: a batch of one sequence still fills the GPU (16 heads x 8 column groups = 128 blocks).
 extern "C" __global__ void gated_delta_recurrent(const float* __restrict__ qkv,   // [T, ld]: q | k | v heads
                                                  long long ld,
                                                  const float* __restrict__ g,     // [T, Hv]
@@ -131,57 +120,27 @@ extern "C" __global__ void gated_delta_recurrent(const float* __restrict__ qkv, 
                                                  float* __restrict__ out,         // [T, Hv * Dv]
                                                  int Hk, int Hv, int Dk, int Dv) {
     const int h = blockIdx.x, s = blockIdx.y, kh = h / (Hv / Hk);
-    const int col = threadIdx.x % GDN_COLS, part = threadIdx.x / GDN_COLS;   // thread: (column, rows part::PARTS)
-    const int j = blockIdx.z * GDN_COLS + col;
-    const bool live = j < Dv;         // the last column group may be partly past Dv
     __shared__ float q[GDN_MAX_D], k[GDN_MAX_D], scratch[32];
-    __shared__ float partial[GDN_PARTS][GDN_COLS];                  // each part's share of a column's dot
-    float Sj[GDN_MAX_D / GDN_PARTS];  // rows part, part + PARTS, ... of column j: the state stays in registers
     const long long st = ((long long)slots[s] * Hv + h) * Dk * Dv;
-#pragma unroll
-    for (int r = 0; r < GDN_MAX_D / GDN_PARTS; ++r) {
-        const int i = part + r * GDN_PARTS;
-        Sj[r] = live && i < Dk ? state_in[st + (long long)i * Dv + j] : 0.0f;
-    }
+    const float* S = state_in + st;   // the first token reads state_in, every later one state_out
     for (int t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
         load_qk(qkv, ld, t, kh, Hk, Dk, q, k, scratch);
         const float decay = expf(g[(long long)t * Hv + h]), b = beta[(long long)t * Hv + h];
-        float predicted = 0.0f;                                            // k . (decayed S)[:, j]
-#pragma unroll
-        for (int r = 0; r < GDN_MAX_D / GDN_PARTS; ++r) {
-            const int i = part + r * GDN_PARTS;
-            Sj[r] *= decay;
-            if (i < Dk) predicted += k[i] * Sj[r];
-        }
-        partial[part][col] = predicted;
-        __syncthreads();
-        predicted = 0.0f;
-        for (int p = 0; p < GDN_PARTS; ++p) predicted += partial[p][col];
-        const float v = live ? qkv[(long long)t * ld + (long long)2 * Hk * Dk + (long long)h * Dv + j] : 0.0f;
-        const float delta = (v - predicted) * b;
-        float o = 0.0f;                                                    // q . (corrected S)[:, j]
-#pragma unroll
-        for (int r = 0; r < GDN_MAX_D / GDN_PARTS; ++r) {
-            const int i = part + r * GDN_PARTS;
-            if (i < Dk) {
-                Sj[r] += k[i] * delta;
-                o += q[i] * Sj[r];
+        for (int j = threadIdx.x; j < Dv; j += blockDim.x) {
+            float predicted = 0.0f;                                        // k . (decayed S)[:, j]
+            for (int i = 0; i < Dk; ++i) predicted += k[i] * (S[(long long)i * Dv + j] * decay);
+            const float v = qkv[(long long)t * ld + (long long)2 * Hk * Dk + (long long)h * Dv + j];
+            const float delta = (v - predicted) * b;
+            float o = 0.0f;
+            for (int i = 0; i < Dk; ++i) {
+                const float sij = S[(long long)i * Dv + j] * decay + k[i] * delta;
+                state_out[st + (long long)i * Dv + j] = sij;
+                o += q[i] * sij;
             }
-        }
-        __syncthreads();              // every part has read the predictions
-        partial[part][col] = o;
-        __syncthreads();
-        if (part == 0 && live) {
-            o = 0.0f;
-            for (int p = 0; p < GDN_PARTS; ++p) o += partial[p][col];
             out[(long long)t * Hv * Dv + (long long)h * Dv + j] = o;
         }
-        __syncthreads();              // the next token's q, k and partial sums overwrite shared memory
-    }
-#pragma unroll
-    for (int r = 0; r < GDN_MAX_D / GDN_PARTS; ++r) {
-        const int i = part + r * GDN_PARTS;
-        if (live && i < Dk) state_out[st + (long long)i * Dv + j] = Sj[r];
+        S = state_out + st;
+        __syncthreads();              // the next token's q and k overwrite shared memory
     }
 }
 
@@ -195,19 +154,14 @@ extern "C" __global__ void gated_delta_chunked(const float* __restrict__ qkv,   
                                                const int* __restrict__ cu_seqlens,
                                                float* __restrict__ out,         // [T, Hv * Dv]
                                                int Hk, int Hv, int Dk, int Dv) {
-    const int h = blockIdx.x, s = blockIdx.y, kh = h / (Hv / Hk), j0 = blockIdx.z * GDN_COLS;
+    const int h = blockIdx.x, s = blockIdx.y, kh = h / (Hv / Hk);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     __shared__ float Q[GDN_CHUNK][GDN_MAX_D], K[GDN_CHUNK][GDN_MAX_D];   // normalised (Q also scaled)
-    __shared__ float W[GDN_CHUNK][GDN_MAX_D];                            // solved: (I + A) W = beta k e^G
-    __shared__ float U[GDN_CHUNK][GDN_COLS];                             // solved: (I + A) U = beta v, then v_new
-    __shared__ float Sc[GDN_MAX_D][GDN_COLS];                            // this block's columns of the state
+    __shared__ float U[GDN_CHUNK][GDN_MAX_D], W[GDN_CHUNK][GDN_MAX_D];   // the solved right-hand sides
     __shared__ float A[GDN_CHUNK][GDN_CHUNK], P[GDN_CHUNK][GDN_CHUNK];
     __shared__ float G[GDN_CHUNK], B[GDN_CHUNK];                         // cumulative log decay, beta
     const long long st = ((long long)slots[s] * Hv + h) * Dk * Dv;
-    for (int e = threadIdx.x; e < Dk * GDN_COLS; e += blockDim.x) {     // the state slice, for the whole sequence
-        const int i = e / GDN_COLS, j = j0 + e % GDN_COLS;
-        Sc[i][e % GDN_COLS] = j < Dv ? state_in[st + (long long)i * Dv + j] : 0.0f;
-    }
+    const float* S = state_in + st;
     const int t1 = cu_seqlens[s + 1];
     for (int c0 = cu_seqlens[s]; c0 < t1; c0 += GDN_CHUNK) {
         const int n = min(GDN_CHUNK, t1 - c0);
@@ -253,54 +207,41 @@ extern "C" __global__ void gated_delta_chunked(const float* __restrict__ qkv,   
         }
         __syncthreads();
         // 3. forward substitution, one column of [beta v | beta k e^G] per thread: row i needs rows < i
-        for (int c = threadIdx.x; c < GDN_COLS + Dk; c += blockDim.x) {
-            const bool is_v = c < GDN_COLS;
-            const int x = is_v ? c : c - GDN_COLS;
-            const bool live = !is_v || j0 + x < Dv;
+        for (int col = threadIdx.x; col < Dv + Dk; col += blockDim.x) {
+            const bool is_v = col < Dv;
+            float(*X)[GDN_MAX_D] = is_v ? U : W;
+            const int x = is_v ? col : col - Dv;
             for (int i = 0; i < n; ++i) {
-                float rhs = !live ? 0.0f
-                          : is_v ? B[i] * qkv[(long long)(c0 + i) * ld + (long long)2 * Hk * Dk + (long long)h * Dv + j0 + x]
+                float rhs = is_v ? B[i] * qkv[(long long)(c0 + i) * ld + (long long)2 * Hk * Dk + (long long)h * Dv + x]
                                  : B[i] * K[i][x] * expf(G[i]);
-                if (is_v) {
-                    for (int j = 0; j < i; ++j) rhs -= A[i][j] * U[j][x];
-                    U[i][x] = rhs;
-                } else {
-                    for (int j = 0; j < i; ++j) rhs -= A[i][j] * W[j][x];
-                    W[i][x] = rhs;
-                }
+                for (int j = 0; j < i; ++j) rhs -= A[i][j] * X[j][x];
+                X[i][x] = rhs;
             }
         }
         __syncthreads();
-        // 4. the block's columns: v_new = U - W S, then o = e^G Q S + P v_new, then
-        //    S <- e^(G_last) S + (K e^(G_last - G))^T v_new, each an element per thread
-        for (int e = threadIdx.x; e < n * GDN_COLS; e += blockDim.x) {
-            const int r = e / GDN_COLS, c = e % GDN_COLS;
-            float ws = 0.0f;
-            for (int i = 0; i < Dk; ++i) ws += W[r][i] * Sc[i][c];
-            U[r][c] -= ws;
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < n * GDN_COLS; e += blockDim.x) {
-            const int r = e / GDN_COLS, c = e % GDN_COLS;
-            float qs = 0.0f;
-            for (int i = 0; i < Dk; ++i) qs += Q[r][i] * Sc[i][c];
-            float o = qs * expf(G[r]);
-            for (int u = 0; u <= r; ++u) o += P[r][u] * U[u][c];
-            if (j0 + c < Dv) out[(long long)(c0 + r) * Hv * Dv + (long long)h * Dv + j0 + c] = o;
-        }
-        __syncthreads();              // every output has read the state it updates next
+        // 4. one state column per thread: the chunk's outputs and the state it leaves
         const float last = G[n - 1];
-        for (int e = threadIdx.x; e < Dk * GDN_COLS; e += blockDim.x) {
-            const int i = e / GDN_COLS, c = e % GDN_COLS;
-            float acc = Sc[i][c] * expf(last);
-            for (int r = 0; r < n; ++r) acc += K[r][i] * expf(last - G[r]) * U[r][c];
-            Sc[i][c] = acc;
+        for (int j = threadIdx.x; j < Dv; j += blockDim.x) {
+            for (int r = 0; r < n; ++r) {                                  // v_new = U - W S
+                float ws = 0.0f;
+                for (int i = 0; i < Dk; ++i) ws += W[r][i] * S[(long long)i * Dv + j];
+                U[r][j] -= ws;
+            }
+            for (int r = 0; r < n; ++r) {                                  // o = e^G Q S + P v_new
+                float qs = 0.0f;
+                for (int i = 0; i < Dk; ++i) qs += Q[r][i] * S[(long long)i * Dv + j];
+                float o = qs * expf(G[r]);
+                for (int u = 0; u <= r; ++u) o += P[r][u] * U[u][j];
+                out[(long long)(c0 + r) * Hv * Dv + (long long)h * Dv + j] = o;
+            }
+            for (int i = 0; i < Dk; ++i) {                                 // S <- e^G_last S + K~^T v_new
+                float acc = S[(long long)i * Dv + j] * expf(last);
+                for (int r = 0; r < n; ++r) acc += K[r][i] * expf(last - G[r]) * U[r][j];
+                state_out[st + (long long)i * Dv + j] = acc;
+            }
         }
+        S = state_out + st;
         __syncthreads();              // the next chunk overwrites the tiles
-    }
-    for (int e = threadIdx.x; e < Dk * GDN_COLS; e += blockDim.x) {
-        const int i = e / GDN_COLS, j = j0 + e % GDN_COLS;
-        if (j < Dv) state_out[st + (long long)i * Dv + j] = Sc[i][e % GDN_COLS];
     }
 }
 

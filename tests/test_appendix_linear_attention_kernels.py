@@ -22,7 +22,6 @@ from engine.ops.gated_delta import (
     GDN_THREADS,
     causal_conv1d_ref,
     decay_log,
-    delta_grid,
     gated_delta_recurrent_ref,
     gated_rmsnorm_ref,
     sigmoid,
@@ -115,7 +114,7 @@ def test_gated_delta(kernel, heads):
     beta = sigmoid(rng.standard_normal((T, Hv)).astype(np.float32))
     pool = (0.5 * rng.standard_normal((3, Hv, Dk, Dv))).astype(np.float32)
     n_out = T * Hv * Dv
-    outs = run(kernel, delta_grid(Hv, 3, Dv), {"qkv": qkv, "g": g, "beta": beta, "pool": pool, "slots": SLOTS, "cu": CU},
+    outs = run(kernel, (Hv, 3), {"qkv": qkv, "g": g, "beta": beta, "pool": pool, "slots": SLOTS, "cu": CU},
                lambda d: (d["qkv"], np.int64(ld), d["g"], d["beta"], d["pool"], d["out"][:, n_out:], d["slots"],
                           d["cu"], d["out"][:, :n_out], np.int32(Hk), np.int32(Hv), np.int32(Dk), np.int32(Dv)),
                n_out + pool.size)

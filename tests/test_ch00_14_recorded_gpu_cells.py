@@ -300,13 +300,3 @@ def test_the_recorder_stops_after_the_last_cell_it_records(tmp_path):
     assert [r.output for r in execute_notebook(path, last_keyed=True)] == ["1\n", "k\n"]
     with pytest.raises(CellError):
         execute_notebook(path)
-
-
-def test_a_cell_recorded_without_the_default_model_names_none(tmp_path, capsys):
-    """A cell that runs only its own small model is stored with "model": null: its banner names no default model."""
-    run = {**RUN, "cells": {"03_embedding/gather-kernel": {**RUN["cells"]["03_embedding/gather-kernel"], "model": None}}}
-    path = tmp_path / "gpu_cells.json"
-    path.write_text(json.dumps(run))
-    recorded.show_recorded_cell("03_embedding/gather-kernel", "no GPU", path=path)
-    first = capsys.readouterr().out.splitlines()[0]
-    assert "NVIDIA H200, 2026-12-01:" in first and "default model" not in first

@@ -107,7 +107,7 @@ def show_recorded_cell(key: str, reason: str | None = None, path: Path | None = 
         print(f"GPU cell skipped here: {reason}. No recorded GPU output for {key!r} in {path.name} yet: {HOW_CELLS}.")
         return
     device, date = cell.get("device") or run.get("device", "?"), cell.get("date") or run.get("date", "?")
-    model = cell["model"] if "model" in cell else run.get("model")    # None: the cell runs no default model
+    model = cell.get("model") or run.get("model")
     what = f"{device}, {date}" + (f", default model {model}" if model else "")
     solutions = cell.get("solutions") or []
     if solutions:

@@ -204,12 +204,6 @@ def gated_delta_chunked_ref(q, k, v, g, beta, state=None, chunk_size: int = 64
 GPU_MAX_HEAD_DIM = 128      # kernels_cu/gated_delta.cu: GDN_MAX_D (shared-memory tiles of that width)
 GPU_MAX_CONV_WIDTH = 8      # CONV_MAX_K (the window lives in registers)
 GDN_THREADS = 128           # threads per block of the conv and delta kernels (4 warps)
-GDN_COLS = 16               # GDN_COLS: value columns of the state per block of the delta kernels
-
-
-def delta_grid(Hv: int, S: int, Dv: int) -> tuple[int, int, int]:
-    """The delta kernels' grid: a block per (value head, sequence, group of GDN_COLS value columns)."""
-    return Hv, S, -(-Dv // GDN_COLS)
 
 
 def check_gpu_gated_delta(config) -> None:
@@ -281,7 +275,7 @@ def gated_delta_gpu(qkv, heads: tuple[int, int, int, int], g, beta, delta_pool, 
     S, cu = _packed(cu_seqlens, qkv.shape[0], cu_device)
     out = cp.empty((qkv.shape[0], Hv * Dv), cp.float32)
     name = "gated_delta_chunked" if chunked else "gated_delta_recurrent"
-    load_kernel("gated_delta", name)(delta_grid(Hv, S, Dv), (GDN_THREADS,),
+    load_kernel("gated_delta", name)((Hv, S), (GDN_THREADS,),
                                      (qkv, np.int64(qkv.strides[0] // 4), g, beta, delta_pool, delta_pool, slots, cu,
                                       out, np.int32(Hk), np.int32(Hv), np.int32(Dk), np.int32(Dv)))
     return out
