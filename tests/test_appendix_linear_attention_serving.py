@@ -174,7 +174,7 @@ def test_llm_greedy_matches_transformers_generate_fixture(tmp_path, name):
 
 @needs_transformers
 def test_llm_greedy_matches_transformers_generate_live(workload):
-    from fixtures.make_qwen3_5_fixtures import hf_greedy
+    from helpers.oracle import hf_greedy
     prompt = np.random.default_rng(21).integers(0, CONFIG["vocab_size"], 75)    # more than one chunk
     expected = hf_greedy(workload.model_dir, prompt, 16).tolist()
     llm = workload.llm("continuous", "paged", max_batch_tokens=20)

@@ -158,7 +158,7 @@ def test_numpy_logits_match_transformers_live(rebuilt, name):
 @needs_transformers
 @pytest.mark.parametrize("name", [n for n in NAMES if "qwen" in n])
 def test_greedy_generation_matches_transformers_live(rebuilt, name):
-    from fixtures.make_model_fixtures import hf_greedy
+    from helpers.oracle import hf_greedy
     model_dir, ids, _ = rebuilt(name)
     prompt = ids[-5:]                                      # another prompt than the fixture's
     assert engine_greedy(model_dir, prompt) == hf_greedy(model_dir, prompt).tolist()

@@ -145,3 +145,15 @@ def hf_logits(model_dir, token_ids) -> np.ndarray:
     with torch.no_grad():
         out = hf_model(model_dir)(torch.tensor([list(token_ids)], dtype=torch.long)).logits
     return out[0].float().numpy()
+
+
+def hf_greedy(model_dir, prompt, max_new_tokens: int = 16) -> np.ndarray:
+    """transformers' greedy continuation (its own KV cache, and recurrent state for hybrid models; stops at
+    an eos of generation_config.json). The attention mask is given: without one, generate() would take
+    every prompt token equal to pad_token_id for padding and mask it out."""
+    import torch
+    ids = torch.tensor([list(map(int, prompt))])
+    with torch.no_grad():
+        out = hf_model(model_dir).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                           do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].numpy().astype(np.int32)
