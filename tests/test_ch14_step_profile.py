@@ -116,3 +116,26 @@ def test_a_hybrid_models_floor_reads_and_writes_each_rows_states():
     weights = cfg.num_parameters() * 2
     want = (weights + 64 * 1000 * cfg.kv_bytes_per_token(2) + 64 * 2 * cfg.state_bytes_per_sequence) / 4000e9
     assert step_floor_seconds([decode], cfg, 2, 4000, 800) == pytest.approx(want)
+
+
+def test_a_hybrid_models_ops_are_timed_by_name_and_restored(tmp_path):
+    """OpTimer names a Qwen3.5 model's projections (qkvg/o, in_proj/out) and times the ops of another module
+    the pass calls (engine/model/hybrid_forward.py), changing nothing (notes/measurements/hybrid_prefill_profile.py)."""
+    import engine.model.hybrid_forward as hybrid_module
+    from engine.model.forward_pass import ForwardBatch
+    model = load_model(write_random_model(tmp_path / "q35", "tiny-qwen3.5", seed=2), backend="numpy")
+    batch = ForwardBatch.single(np.arange(3, 40, dtype=np.int32))
+    names = ("linear", "linear_attention", "gated_attention", "swiglu")
+    before = {name: getattr(hybrid_module, name) for name in names}
+    ref = model.forward(batch)
+    timer = OpTimer(model)
+    with timer.timed_ops(hybrid_module, names):
+        got = model.forward(batch)
+    np.testing.assert_array_equal(got, ref)
+    assert {name: getattr(hybrid_module, name) for name in names} == before
+    calls = {row["kernel"]: row["calls"] for row in timer.table()[0]}
+    kinds = model.config.layer_types
+    n_linear, n_full = kinds.count("linear_attention"), kinds.count("full_attention")
+    assert calls == {"linear in_proj": n_linear, "linear out": n_linear, "linear_attention": n_linear,
+                     "linear qkvg": n_full, "linear o": n_full, "gated_attention": n_full,
+                     "linear gate_up": len(kinds), "swiglu": len(kinds), "linear down": len(kinds), "lm_head": 1}

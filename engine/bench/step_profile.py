@@ -26,6 +26,9 @@ from engine.model.forward_pass import ForwardBatch
 
 TIMED = ("embedding", "rmsnorm", "add_rmsnorm", "linear", "rope_qkv", "kv_write", "paged_attention",
          "flash_attention", "swiglu", "moe")
+# the projections of a layer, by attribute: a dense layer's (qkv, o, gate_up, down) and a hybrid model's
+# (engine/model/hybrid_weights.py: qkvg and o of a full-attention layer, in_proj and out of a linear one)
+PROJECTIONS = ("qkv", "qkvg", "in_proj", "o", "out", "gate_up", "down")
 
 _SLEEP_SOURCE = r"""
 extern "C" __global__ void sleep_ns(unsigned long long ns) {   // one thread keeps the stream busy
@@ -42,10 +45,10 @@ class OpTimer:
         self.context_tokens = context_tokens        # keys the attention of one layer reads, all rows together
         w = model.weights
         self.weight_names = {id(w.lm_head): "lm_head"}
-        for lw in w.layers:
-            self.weight_names.update({id(lw.qkv): "linear qkv", id(lw.o): "linear o"})
-            if lw.moe is None:     # a sparse layer's MLP is one "moe" call (its router and experts inside)
-                self.weight_names.update({id(lw.gate_up): "linear gate_up", id(lw.down): "linear down"})
+        for lw in w.layers:       # a sparse layer's MLP is one "moe" call: its gate_up and down are None
+            for attr in PROJECTIONS:
+                if getattr(lw, attr, None) is not None:
+                    self.weight_names[id(getattr(lw, attr))] = f"linear {attr}"
         self.records: list[tuple[str, object, object, int]] = []
 
     def mark(self):
@@ -112,16 +115,17 @@ class OpTimer:
         return timed
 
     @contextmanager
-    def timed_ops(self):
-        """Time every op Model.run calls, for the span of the block."""
-        saved = {name: getattr(model_module, name) for name in TIMED}
+    def timed_ops(self, module=model_module, names=TIMED):
+        """Time every op Model.run calls (or the `names` of another module the pass calls, e.g.
+        engine.model.hybrid_forward's), for the span of the block."""
+        saved = {name: getattr(module, name) for name in names}
         for name, fn in saved.items():
-            setattr(model_module, name, self.wrap(name, fn))
+            setattr(module, name, self.wrap(name, fn))
         try:
             yield self
         finally:
             for name, fn in saved.items():
-                setattr(model_module, name, fn)
+                setattr(module, name, fn)
 
     def timeline(self) -> list[list]:
         """[label, start ms, end ms] of every call, from the first call's start (a per-kernel timeline)."""
